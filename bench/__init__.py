@@ -1,0 +1,1 @@
+"""Benchmarks and side-by-side peer comparisons (`make bench`); not part of tests or CI."""

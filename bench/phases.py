@@ -1,0 +1,150 @@
+"""The measurements made against one running server: warmup study, sweep, cold-start report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.loadgen import LoadSpec, exact_length_body, run_load
+from bench.servers import Running, get_json
+from bench.stats import LoadSummary, RequestResult, median
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every system is asked to do; the same object drives every system in a run."""
+
+    prompt_len: int = 128
+    max_tokens: int = 128
+    levels: tuple[int, ...] = (1, 4, 16, 64)
+    requests_per_level: tuple[int, ...] = (3, 8, 32, 64)
+    warm_requests: int = 16  # one pass at concurrency 16 before the sweep, for every system
+    study_first: int = 10  # the first requests after ready, one at a time
+    study_steady: int = 10  # then this many more for the steady-state median
+    study_max_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if len(self.levels) != len(self.requests_per_level):
+            raise ValueError("levels and requests_per_level must have the same length")
+        if any(n < c for c, n in zip(self.levels, self.requests_per_level, strict=True)):
+            raise ValueError("each level needs at least as many requests as workers")
+
+
+# Seeds per phase: every system gets the same prompts, and no phase reuses another's
+# prompts (a prefix cache must not make a later phase look faster).
+STUDY_SEED, WARM_SEED, LEVEL_SEED = 1000, 2000, 3000
+
+
+def _spec(
+    running: Running, prompts: Sequence[list[int]], max_tokens: int, concurrency: int, n: int
+) -> LoadSpec:
+    return LoadSpec(
+        base_url=running.spec.base_url,
+        prompts=list(prompts),
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        num_requests=n,
+        extra_body=exact_length_body(max_tokens),
+        request_timeout_s=600.0,
+        total_timeout_s=900.0,
+    )
+
+
+def warmup_study(running: Running, wl: Workload, tokenizer: Any) -> dict[str, Any]:
+    """Latency of each of the first requests after ready over the steady-state median."""
+    from bench.prompts import make_prompts
+
+    n = wl.study_first + wl.study_steady
+    prompts = make_prompts(tokenizer, n, wl.prompt_len, seed=STUDY_SEED)
+    results, summary = run_load(_spec(running, prompts, wl.study_max_tokens, 1, n))
+    first, steady = results[: wl.study_first], results[wl.study_first :]
+    steady_e2e = median([r.e2e_s for r in steady if r.ok])
+    steady_ttft = median([r.ttft_s for r in steady if r.ok])
+    return {
+        "max_tokens": wl.study_max_tokens,
+        "first": [_brief(r) for r in first],
+        "steady_median_e2e_s": steady_e2e,
+        "steady_median_ttft_s": steady_ttft,
+        "e2e_ratio": [r.e2e_s / steady_e2e if r.ok else None for r in first],
+        "ttft_ratio": [r.ttft_s / steady_ttft if r.ok else None for r in first],
+        "errors": summary.errors,
+        "first_error": summary.first_error,
+    }
+
+
+def _brief(r: RequestResult) -> dict[str, Any]:
+    return {"ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tokens": r.output_tokens, "error": r.error}
+
+
+def sweep(running: Running, wl: Workload, tokenizer: Any) -> list[dict[str, Any]]:
+    """Warm every system the same way, then throughput and latency at each concurrency."""
+    from bench.prompts import make_prompts
+
+    warm = make_prompts(tokenizer, wl.warm_requests, wl.prompt_len, seed=WARM_SEED)
+    run_load(_spec(running, warm, 16, min(16, wl.warm_requests), wl.warm_requests))
+    out: list[dict[str, Any]] = []
+    for c, n in zip(wl.levels, wl.requests_per_level, strict=True):
+        prompts = make_prompts(tokenizer, n, wl.prompt_len, seed=LEVEL_SEED + c)
+        _, summary = run_load(_spec(running, prompts, wl.max_tokens, c, n))
+        out.append(summary.to_dict())
+        print(f"  {running.spec.name} c={c}: {_line(summary)}", flush=True)
+    return out
+
+
+def _line(s: LoadSummary) -> str:
+    return (
+        f"{s.output_tok_s:.1f} tok/s, TTFT p50 {s.ttft_p50_s * 1e3:.0f} ms, "
+        f"ITL p50 {s.itl_p50_s * 1e3:.1f} ms, errors {s.errors}, "
+        f"length mismatches {s.token_count_mismatches}"
+    )
+
+
+def engine_report(running: Running) -> dict[str, Any] | None:
+    """Our server's cold-start report (GET /v1/engine): gates and load figures."""
+    return get_json(f"{running.spec.base_url}/v1/engine")
+
+
+def gate_bars(report: dict[str, Any] | None, ready_s: float) -> list[dict[str, Any]]:
+    """Gates as (name, start, seconds) bars on the launch-to-ready time axis.
+
+    Uses each gate's own start offset when the report has one; otherwise the gates are laid
+    end to end, after a first bar for what came before them (mpirun, imports, HTTP bind).
+    """
+    gates = [g for g in (report or {}).get("gates", []) if isinstance(g, dict)]
+    if not gates:
+        return [{"name": "launch to ready", "start": 0.0, "seconds": ready_s}]
+    secs = [float(g.get("seconds") or 0.0) for g in gates]
+    starts = [g.get("start_s", g.get("start_offset_s")) for g in gates]
+    bars: list[dict[str, Any]] = []
+    if all(isinstance(s, (int, float)) for s in starts):
+        for g, s, d in zip(gates, starts, secs, strict=True):
+            bars.append({"name": str(g.get("name")), "start": float(s), "seconds": d})
+        return bars
+    before = max(ready_s - sum(secs), 0.0)
+    bars.append({"name": "process start (mpirun, imports)", "start": 0.0, "seconds": before})
+    t = before
+    for g, d in zip(gates, secs, strict=True):
+        bars.append({"name": str(g.get("name")), "start": t, "seconds": d})
+        t += d
+    return bars
+
+
+def load_figures(report: dict[str, Any] | None) -> dict[str, float] | None:
+    """bytes and seconds of our load gate, from the report's `load` object or its gate."""
+    if not report:
+        return None
+    load = report.get("load")
+    if not isinstance(load, dict):
+        load = next((g for g in report.get("gates", []) if g.get("name") == "load"), None)
+    if not isinstance(load, dict):
+        return None
+    nbytes = load.get("bytes") or load.get("total_bytes")
+    seconds = load.get("seconds")
+    if not isinstance(nbytes, (int, float)) or not isinstance(seconds, (int, float)):
+        return None
+    return {"bytes": float(nbytes), "seconds": float(seconds)}
+
+
+def summaries_asdict(items: Sequence[LoadSummary]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in items]

@@ -1,0 +1,189 @@
+"""Start and stop each served system as a subprocess, timing launch to ready.
+
+Each server runs in its own session (process group), so stopping it kills everything it
+spawned (mpirun's ranks, vLLM's engine core) and nothing is left behind, even when the
+benchmark fails half way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, cmdline, llama_server_bin, vllm_python
+
+OURS_MODEL_NOTE = "ours: serve launch under mpirun"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str  # label in the report, e.g. "ours-tp1", "llama-server"
+    argv: tuple[str, ...]
+    port: int
+    ready_path: str  # GET answering 200 once the server takes traffic
+    env: Mapping[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError("argv must not be empty")
+        if not 1024 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1024, 65535], got {self.port}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> str:
+        prefix = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return f"{prefix} {cmdline(list(self.argv))}".strip()
+
+
+@dataclass
+class Running:
+    spec: ServerSpec
+    proc: subprocess.Popen[bytes]
+    ready_s: float  # wall time from Popen to the first 200 on ready_path
+    log_path: Path
+
+
+def ours_spec(
+    engine_dir: Path, port: int, tp: int = 1, warmup: str = "auto", name: str | None = None
+) -> ServerSpec:
+    venv = REPO / ".venv" / "bin"
+    argv = (
+        str(venv / "mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", str(tp),
+        str(venv / "python"), "-m", "serve", "launch", "--engine", str(engine_dir),
+        "--port", str(port), "--warmup", warmup,
+    )  # fmt: skip
+    return ServerSpec(name or f"ours-tp{tp}", argv, port, "/health/ready")
+
+
+def llama_spec(gguf: Path, port: int, parallel: int = 16, ctx_per_slot: int = 512) -> ServerSpec:
+    # -c is the total context, split evenly across the -np slots.
+    argv = (
+        str(llama_server_bin()), "-m", str(gguf), "-np", str(parallel), "-t", "2", "-tb", "2",
+        "-c", str(parallel * ctx_per_slot), "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    return ServerSpec("llama-server", argv, port, "/health")
+
+
+def vllm_spec(hf_dir: Path, port: int, kv_gib: int = 2, max_model_len: int = 512) -> ServerSpec:
+    argv = (
+        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+        "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
+        "--port", str(port), "--served-model-name", hf_dir.name,
+    )  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    return ServerSpec("vllm", argv, port, "/health", env=env, ready_timeout_s=900.0)
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """Status and body of a GET; status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, b""
+
+
+def get_json(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
+    status, body = http_get(url, timeout)
+    if status != 200:
+        return None
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the whole process group, then SIGKILL whatever is still there."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; a straggler in the group still gets the next signal.
+        if not _group_alive(pgid):
+            break
+    proc.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def serve(spec: ServerSpec, log_dir: Path, poll_s: float = 0.05) -> Iterator[Running]:
+    """Launch, wait for ready (timed from launch), yield, and always kill the process group."""
+    if http_get(f"{spec.base_url}{spec.ready_path}", timeout=1.0)[0] != 0:
+        raise RuntimeError(f"port {spec.port} already answers; refusing to start {spec.name}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    env = {**os.environ, **spec.env}
+    with open(log_path, "ab") as log:
+        log.write(f"$ {spec.command}\n".encode())
+        log.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            list(spec.argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        url = f"{spec.base_url}{spec.ready_path}"
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{spec.name} exited with {proc.returncode} before ready; "
+                    f"last log lines:\n{tail(log_path)}"
+                )
+            if http_get(url, timeout=2.0)[0] == 200:
+                break
+            if time.perf_counter() - t0 > spec.ready_timeout_s:
+                raise RuntimeError(f"{spec.name} not ready after {spec.ready_timeout_s:.0f} s")
+            time.sleep(poll_s)
+        yield Running(spec, proc, time.perf_counter() - t0, log_path)
+    finally:
+        stop(proc)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def available(argv0: str | Sequence[str]) -> bool:
+    first = argv0 if isinstance(argv0, str) else argv0[0]
+    return Path(first).exists()

@@ -1,0 +1,1 @@
+"""Build stage: checkpoint -> immutable, content-addressed, tensor-parallel engine."""

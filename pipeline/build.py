@@ -1,0 +1,247 @@
+"""The build orchestration: resolve -> id -> (cache hit) -> convert -> compile -> golden -> commit.
+
+Everything that can be refused cheaply (target, backend, checkpoint files, --tp) is refused
+before the first heavy byte moves; everything heavy happens in a staging directory that
+becomes the engine only by an atomic rename at the very end.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import BuildConfig
+from pipeline.errors import BuildError
+from pipeline.manifest import (
+    FileEntry,
+    Manifest,
+    Source,
+    engine_id,
+    engine_inputs,
+    hash_engine_files,
+    read_manifest,
+    toolchain_versions,
+    write_manifest,
+)
+from pipeline.models.config import ModelConfig
+from pipeline.progress import Progress
+from pipeline.resolve import (
+    TOKENIZER_FILES,
+    ResolvedSource,
+    cache_root,
+    checkpoint_digest,
+    checkpoint_files,
+    resolve,
+)
+from pipeline.store import EngineStore
+from pipeline.target import Target, detect_target
+
+# Copied from the checkpoint beside the shards (config.json is written by the converter).
+ENGINE_EXTRA_FILES = (*TOKENIZER_FILES, "generation_config.json")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ST_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    engine_dir: Path
+    engine_id: str
+    model_name: str
+    cache_hit: bool  # True: an identical engine existed; nothing was converted or compiled
+    stages: dict[str, float]  # the stages that ran, in order -> seconds
+    manifest: Manifest
+    files: tuple[FileEntry, ...] = field(default=())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class _Clock:
+    """Times the build's stages; the result's `stages` says exactly what ran."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _check_backend(cfg: BuildConfig) -> None:
+    if cfg.backend != "trtllm":
+        return
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError as e:
+        raise BuildError(
+            "the trtllm backend needs TensorRT-LLM 1.2.x, which is not installed",
+            "pip install .[trtllm] on a host with an NVIDIA GPU, or use --backend aoti",
+        ) from e
+    raise BuildError(
+        "the trtllm backend is not available in this version of the pipeline",
+        "use --backend aoti or --backend eager",
+    )
+
+
+def _read_hf_config(local_dir: Path) -> dict:
+    try:
+        return json.loads((local_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise BuildError(
+            f"cannot read {local_dir / 'config.json'} ({e})", "repair the checkpoint"
+        ) from e
+
+
+def estimate_engine_bytes(local_dir: Path, dtype: str) -> int:
+    """Bytes the engine will take: every weight cast to ``dtype``, plus slack for the rest
+    (tokenizer, KV heads replicated across ranks, compiled packages)."""
+    weights = 0
+    other = 0
+    for p in checkpoint_files(local_dir):
+        if p.suffix != ".safetensors":
+            other += p.stat().st_size
+            continue
+        with p.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for s in t["shape"]:
+                numel *= s
+            float_like = t["dtype"] in ("F64", "F32", "BF16", "F16")
+            weights += numel * (
+                _DTYPE_BYTES[dtype] if float_like else _ST_DTYPE_BYTES.get(t["dtype"], 4)
+            )
+    return int(weights * 1.1) + other + (16 << 20)
+
+
+def _copy_extras(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in ENGINE_EXTRA_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+@dataclass(frozen=True, slots=True)
+class BuildPlan:
+    """Everything decided before any heavy work: what to build and the id it will have."""
+
+    source: ResolvedSource
+    model_config: ModelConfig
+    target: Target
+    digest: str
+    toolchain: dict[str, str]
+    engine_id: str
+
+
+def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
+    """Check the inputs (target, backend, checkpoint, --tp) and compute the engine id."""
+    progress = progress or Progress.silent()
+    clock = _Clock()
+    return _plan(cfg, progress, clock)
+
+
+def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
+    target = detect_target(cfg.target)
+    _check_backend(cfg)
+    with clock("resolve"), progress.stage("resolve"):
+        src = resolve(cfg.model, cache_root(), progress)
+        model_cfg = ModelConfig.from_hf_config(_read_hf_config(src.local_dir))
+        model_cfg.check_tp(cfg.tp)
+    with clock("digest"):
+        digest = checkpoint_digest(src.local_dir, progress)
+    toolchain = toolchain_versions(cfg.backend)
+    inputs = engine_inputs(
+        source_digest=digest,
+        backend=cfg.backend,
+        target=target,
+        tp=cfg.tp,
+        dtype=cfg.dtype,
+        profile=cfg.profile,
+        toolchain=toolchain,
+    )
+    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs))
+
+
+def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildResult:
+    """Build (or find in the store) the engine ``cfg`` describes."""
+    progress = progress or Progress.silent()
+    clock = _Clock()
+    plan = _plan(cfg, progress, clock)
+    src, eid, target = plan.source, plan.engine_id, plan.target
+    store = EngineStore(cfg.store)
+    existing = store.find(src.name, eid)
+    if existing is not None:
+        manifest = read_manifest(existing)
+        progress.message(f"cache hit: engine {eid} already built at {existing}")
+        return BuildResult(existing, eid, src.name, True, clock.stages, manifest, manifest.files)
+
+    need = estimate_engine_bytes(src.local_dir, cfg.dtype)
+    with store.staging(src.name, eid, need_bytes=need) as tmp:
+        with clock("convert"):
+            from pipeline.convert import convert_checkpoint
+
+            convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress)
+        if cfg.backend == "aoti":
+            with clock("compile"):
+                from pipeline.compile.aoti import compile_engine
+
+                compile_engine(
+                    engine_dir=tmp,
+                    cfg=plan.model_config,
+                    tp=cfg.tp,
+                    dtype=cfg.dtype,
+                    profile=cfg.profile,
+                    target=target,
+                    progress=progress,
+                )
+        with clock("copy"), progress.stage("copy tokenizer"):
+            _copy_extras(src.local_dir, tmp)
+        with clock("golden"), progress.stage("golden"):
+            from pipeline.golden import compute_golden
+
+            golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
+        with clock("hash"):
+            files = hash_engine_files(tmp, progress)
+        manifest = Manifest(
+            engine_id=eid,
+            model_name=src.name,
+            source=Source(uri=src.uri, revision=src.revision, digest=plan.digest),
+            backend=cfg.backend,
+            target=target,
+            tp=cfg.tp,
+            dtype=cfg.dtype,
+            profile=cfg.profile,
+            toolchain=plan.toolchain,
+            files=files,
+            golden=golden,
+        )
+        with clock("commit"):
+            write_manifest(tmp, manifest)
+            final = store.commit(tmp, src.name, eid)
+    return BuildResult(final, eid, src.name, False, clock.stages, manifest, files)

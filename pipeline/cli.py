@@ -1,0 +1,232 @@
+"""`pipeline build | verify | inspect | list`: the build stage's command line.
+
+Every failure the user can act on is one line on stderr ("error: cause — remedy") and a
+non-zero exit (2 for bad input); a traceback appears only for a genuine bug, with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from pipeline.config import BACKENDS, DTYPES, BuildConfig, BuildProfile
+from pipeline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
+from pipeline.progress import Progress, format_bytes
+
+_DEFAULTS = BuildProfile()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints usage plus a message; we keep the one-line error contract instead."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"error: {message} — see `{self.prog} --help`\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pipeline", description="Build, verify and inspect AOT LLM engines.")
+    p.add_argument("--debug", action="store_true", help="show a traceback for internal errors")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    debug = _Parser(add_help=False)
+    debug.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+
+    b = sub.add_parser("build", parents=[debug], help="build an engine from a checkpoint")
+    b.add_argument(
+        "model", metavar="MODEL", help="checkpoint dir, hf://org/name@revision, or a .gguf file"
+    )
+    b.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
+    b.add_argument("--backend", choices=[x for x in BACKENDS], default="aoti")
+    b.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    b.add_argument("--target", default="auto", help="auto | cpu | cuda | sm_XX (default: auto)")
+    b.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
+    b.add_argument("--max-num-tokens", type=int, default=_DEFAULTS.max_num_tokens)
+    b.add_argument("--max-seq-len", type=int, default=_DEFAULTS.max_seq_len)
+    b.add_argument("--tokens-per-block", type=int, default=_DEFAULTS.tokens_per_block)
+    b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
+    b.set_defaults(func=cmd_build)
+
+    v = sub.add_parser("verify", parents=[debug], help="rehash every file of an engine")
+    v.add_argument("engine_dir", metavar="ENGINE_DIR", type=Path)
+    v.set_defaults(func=cmd_verify)
+
+    i = sub.add_parser("inspect", parents=[debug], help="show an engine's manifest")
+    i.add_argument("engine_dir", metavar="ENGINE_DIR", type=Path)
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.set_defaults(func=cmd_inspect)
+
+    ls = sub.add_parser("list", parents=[debug], help="list the engines in a store")
+    ls.add_argument("--store", default="engines")
+    ls.set_defaults(func=cmd_list)
+    return p
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return [
+        indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in rows
+    ]
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from pipeline.build import build_engine
+
+    try:
+        profile = BuildProfile(
+            max_batch_size=args.max_batch_size,
+            max_num_tokens=args.max_num_tokens,
+            max_seq_len=args.max_seq_len,
+            tokens_per_block=args.tokens_per_block,
+        )
+        cfg = BuildConfig(
+            model=args.model,
+            tp=args.tp,
+            backend=args.backend,
+            dtype=args.dtype,
+            target=args.target,
+            profile=profile,
+            store=args.store,
+        )
+    except ValueError as e:
+        raise BuildError(str(e), "see `pipeline build --help`") from e
+    result = build_engine(cfg, Progress(sys.stderr))
+    m, hit = result.manifest, result.cache_hit
+    lines = [
+        f"engine    {result.engine_id}  ({'cache hit, nothing rebuilt' if hit else 'built'})",
+        f"model     {m.model_name}  from {m.source.uri}"
+        + (f" @ {m.source.revision}" if m.source.revision else ""),
+        f"backend   {m.backend}  target {m.target}  tp {m.tp}  dtype {m.dtype}",
+        "files",
+        *_table(
+            [[f.path, format_bytes(f.size)] for f in m.files]
+            + [["total", format_bytes(m.total_size)]],
+            "  ",
+        ),
+        "stages",
+        *_table(
+            [[name, f"{secs:.1f} s"] for name, secs in result.stages.items()]
+            + [["total", f"{sum(result.stages.values()):.1f} s"]],
+            "  ",
+        ),
+    ]
+    print("\n".join(lines))
+    print(result.engine_dir.resolve())  # the last line: scripts capture it
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pipeline.manifest import check_engine_files, read_manifest
+
+    manifest = read_manifest(args.engine_dir)
+    problems = check_engine_files(args.engine_dir, manifest, Progress(sys.stderr))
+    for path, reason in problems:
+        print(f"error: {path}: {reason} — the engine is damaged; rebuild it", file=sys.stderr)
+    if problems:
+        return EXIT_FAILURE
+    size = format_bytes(manifest.total_size)
+    print(f"ok: {len(manifest.files)} files ({size}) in {args.engine_dir} match the manifest")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipeline.manifest import read_manifest
+
+    m = read_manifest(args.engine_dir)
+    if args.json:
+        print(json.dumps(m.to_dict(), indent=2))
+        return 0
+    rows = [
+        ["engine", m.engine_id],
+        ["model", m.model_name],
+        ["source", m.source.uri],
+        ["revision", m.source.revision or "-"],
+        ["digest", m.source.digest],
+        ["backend", m.backend],
+        ["target", str(m.target)],
+        ["tp", str(m.tp)],
+        ["dtype", m.dtype],
+        *[[k, str(v)] for k, v in m.profile.to_dict().items()],
+        *[[k, v] for k, v in m.toolchain.items()],
+        ["golden", ", ".join(f"{k}" for k in m.golden) or "-"],
+    ]
+    print("\n".join(_table(rows)))
+    print("files")
+    print(
+        "\n".join(
+            _table(
+                [
+                    [
+                        f.path,
+                        "-" if f.rank is None else f"rank {f.rank}",
+                        format_bytes(f.size),
+                        f.sha256[:16],
+                    ]
+                    for f in m.files
+                ],
+                "  ",
+            )
+        )
+    )
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from pipeline.store import EngineStore
+
+    records = EngineStore(args.store).list_engines()
+    if not records:
+        print(f"no engines in {args.store}")
+        return 0
+    rows = [["MODEL", "ENGINE", "BACKEND", "TARGET", "TP", "DTYPE", "SIZE", "PATH"]]
+    for r in records:
+        m = r.manifest
+        if m is None:
+            rows.append(
+                [r.path.parent.name, r.path.name, "?", "?", "?", "?", "?", f"{r.path} ({r.error})"]
+            )
+        else:
+            rows.append(
+                [
+                    m.model_name,
+                    m.engine_id,
+                    m.backend,
+                    str(m.target),
+                    str(m.tp),
+                    m.dtype,
+                    format_bytes(m.total_size),
+                    str(r.path),
+                ]
+            )
+    print("\n".join(_table(rows)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BuildError as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(
+            "error: interrupted — nothing was left half-written; run the command again",
+            file=sys.stderr,
+        )
+        return 130
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    except Exception as e:  # a bug of ours: still one line unless asked for the traceback
+        if args.debug:
+            traceback.print_exc()
+        msg = " ".join(f"{e.__class__.__name__}: {e}".split())
+        print(f"error: internal error: {msg} — rerun with --debug and report it", file=sys.stderr)
+        return EXIT_FAILURE

@@ -1,0 +1,119 @@
+"""Ahead-of-time compile of the step function: torch.export, then AOTInductor.
+
+Weights are left out of the package (`package_constants_in_so=False`) and bound at load
+with `load_constants(..., user_managed=True)`, so loading weights and loading kernels
+are separate gates at serve time. Every rank's program is the same (local shapes are
+equal and the rank-specific vocabulary offset is a bound parameter), so it is compiled
+once and written as each rank's `rank{N}.pt2`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.export import Dim
+
+from pipeline.config import BuildProfile
+from pipeline.models.config import ModelConfig
+from pipeline.models.factory import build_model, kv_cache_shape, torch_dtype
+from pipeline.models.parallel import TPContext
+from pipeline.progress import Progress
+from pipeline.target import Target
+from serve.plan import ScheduledSeq
+from serve.runner import SeqState, prepare_inputs
+
+
+def example_inputs(profile: BuildProfile, vocab: int) -> tuple[torch.Tensor, ...]:
+    """A mixed step whose every dynamic size is distinct and >= 2 (export specialises 0/1)."""
+    bs = profile.tokens_per_block
+    items: list[tuple[SeqState, ScheduledSeq]] = []
+    next_block = 1
+    for i, (done, new, nblocks) in enumerate(((3 * bs - 1, 1, 3), (3 * bs - 1, 1, 3), (3 * bs, 1, 4),
+                                              (0, 5, 1), (bs, 3, 2))):
+        table = list(range(next_block, next_block + nblocks))
+        next_block += nblocks
+        tokens = [(7 * i + j) % vocab for j in range(done + new)]
+        items.append((SeqState(tokens, table), ScheduledSeq(i, done, new, [], sample=i != 4)))
+    args, _ = prepare_inputs(items, bs)
+    return args
+
+
+def dynamic_shapes(profile: BuildProfile) -> tuple[dict[int, Dim], ...]:
+    b, m, t = profile.max_batch_size, profile.max_blocks_per_seq, profile.max_num_tokens
+    tokens = Dim("tokens", min=1, max=max(t, 2))
+    dec = Dim("decode_seqs", min=1, max=max(b, 2))
+    pf = Dim("prefill_seqs", min=1, max=max(b, 2))
+    return (
+        {0: tokens}, {0: tokens}, {0: tokens}, {0: tokens},
+        {0: dec}, {0: dec, 1: Dim("decode_blocks", min=1, max=max(m, 2))}, {0: dec},
+        {0: pf, 1: Dim("prefill_chunk", min=1, max=max(t, 2))},
+        {0: pf, 1: Dim("prefill_blocks", min=1, max=max(m, 2))},
+        {0: Dim("logit_rows", min=1, max=max(b, 2))},
+        {2: Dim("kv_blocks", min=2, max=1 << 24)},
+    )
+
+
+@contextlib.contextmanager
+def _trace_group(tp: int) -> Iterator[None]:
+    """A fake world group of size tp, so collectives trace with the serve-time group name."""
+    if tp == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("compile_engine needs a process without a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_engine(
+    engine_dir: Path, cfg: ModelConfig, tp: int, dtype: str, profile: BuildProfile,
+    target: Target, progress: Progress | None = None,
+) -> list[Path]:
+    """Write engine_dir/rank{N}.pt2 for every rank; returns their paths."""
+    progress = progress or Progress.silent()
+    device = "cuda" if target.device == "cuda" else "cpu"
+    td = torch_dtype(dtype)
+    with _trace_group(tp):
+        model = build_model(cfg, TPContext(0, tp), td, device)
+        args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
+        kv = torch.zeros(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), dtype=td, device=device)
+        with progress.stage("export"), torch.inference_mode(False), torch.no_grad():
+            ep = torch.export.export(
+                model, (*args, kv), dynamic_shapes=dynamic_shapes(profile), strict=False
+            )
+        del model
+        first = engine_dir / "rank0.pt2"
+        with progress.stage("compile"):
+            torch._inductor.aoti_compile_and_package(
+                ep,
+                package_path=str(first),
+                inductor_configs={"aot_inductor.package_constants_in_so": False},
+            )
+    paths = [first]
+    for rank in range(1, tp):
+        dst = engine_dir / f"rank{rank}.pt2"
+        shutil.copyfile(first, dst)
+        paths.append(dst)
+    return paths
+
+
+def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
+    """Load a compiled package and bind a rank's weights (kept by the caller: user managed)."""
+    pkg = torch._inductor.aoti_load_package(str(path), device_index=0 if device == "cuda" else -1)
+    names = set(pkg.get_constant_fqns())
+    missing = names - set(weights)
+    if missing:
+        raise ValueError(f"{path.name}: the shard lacks constants {sorted(missing)[:5]}")
+    pkg.load_constants({k: v for k, v in weights.items() if k in names},
+                       check_full_update=True, user_managed=True)
+    return pkg

@@ -1,0 +1,285 @@
+"""The engine manifest (DESIGN section 3): what an engine is and the hash of every file in it.
+
+The build writes it last, just before the engine directory is renamed into place; the server
+reads it first (gate 1) and checks every byte it loads against it (gate 5).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pipeline.config import BuildProfile
+from pipeline.errors import BuildError
+from pipeline.progress import Progress, Stage
+from pipeline.target import Target
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMAS = (1,)
+MANIFEST_NAME = "manifest.json"
+ENGINE_ID_HEX = 16
+CHUNK = 8 << 20  # 8 MiB reads: large enough for full disk speed, small enough for progress
+_RANK_FILE = re.compile(r"^rank(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    path: str  # relative to the engine directory, POSIX separators
+    rank: int | None  # the TP rank that loads it; None for files every rank shares
+    size: int
+    sha256: str
+
+    def __post_init__(self) -> None:
+        p = PurePosixPath(self.path)
+        # A manifest must never point outside its own directory.
+        if p.is_absolute() or ".." in p.parts or not self.path:
+            raise ValueError(f"file path {self.path!r} is not inside the engine directory")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    uri: str  # as the user gave it
+    revision: str | None  # the immutable revision it resolved to (hf commit, gguf sha256)
+    digest: str  # checkpoint_digest over the checkpoint files
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    engine_id: str
+    model_name: str
+    source: Source
+    backend: str
+    target: Target
+    tp: int
+    dtype: str
+    profile: BuildProfile
+    toolchain: dict[str, str]
+    files: tuple[FileEntry, ...]
+    golden: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def rank_files(self, rank: int) -> list[FileEntry]:
+        """The files rank ``rank`` loads: its own plus the shared ones."""
+        return [f for f in self.files if f.rank in (None, rank)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "engine_id": self.engine_id,
+            "model_name": self.model_name,
+            "source": {
+                "uri": self.source.uri,
+                "revision": self.source.revision,
+                "digest": self.source.digest,
+            },
+            "backend": self.backend,
+            "target": self.target.to_dict(),
+            "tp": self.tp,
+            "dtype": self.dtype,
+            "profile": self.profile.to_dict(),
+            "toolchain": dict(self.toolchain),
+            "files": [
+                {"path": f.path, "rank": f.rank, "size": f.size, "sha256": f.sha256}
+                for f in self.files
+            ],
+            "golden": self.golden,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        version = d.get("schema_version")
+        if version not in SUPPORTED_SCHEMAS:
+            raise ValueError(
+                f"manifest schema_version {version!r} is not supported (this build reads "
+                f"{', '.join(map(str, SUPPORTED_SCHEMAS))})"
+            )
+        src = d["source"]
+        return cls(
+            schema_version=version,
+            engine_id=str(d["engine_id"]),
+            model_name=str(d["model_name"]),
+            source=Source(uri=src["uri"], revision=src.get("revision"), digest=src["digest"]),
+            backend=d["backend"],
+            target=Target.from_dict(d["target"]),
+            tp=int(d["tp"]),
+            dtype=d["dtype"],
+            profile=BuildProfile(**d["profile"]),
+            toolchain={str(k): str(v) for k, v in d["toolchain"].items()},
+            files=tuple(
+                FileEntry(f["path"], f["rank"], int(f["size"]), f["sha256"]) for f in d["files"]
+            ),
+            golden=dict(d.get("golden") or {}),
+        )
+
+
+def rank_of(path: str) -> int | None:
+    m = _RANK_FILE.match(PurePosixPath(path).name)
+    return int(m.group(1)) if m else None
+
+
+@functools.cache
+def _pipeline_source_digest() -> str:
+    """A digest of this package's own code: the converter and compiler shape the bytes too, so
+    an edit to them must not return an engine built by the old code from the cache."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("aot-llm-pipeline")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0.0.0"
+
+
+def toolchain_versions(backend: str) -> dict[str, str]:
+    import torch
+    import transformers
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "pipeline": f"{_package_version()}+src.{_pipeline_source_digest()}",
+    }
+    if backend == "trtllm":
+        import tensorrt_llm
+
+        versions["tensorrt_llm"] = tensorrt_llm.__version__
+    return versions
+
+
+def engine_inputs(
+    *,
+    source_digest: str,
+    backend: str,
+    target: Target,
+    tp: int,
+    dtype: str,
+    profile: BuildProfile,
+    toolchain: dict[str, str],
+) -> dict[str, Any]:
+    """Everything that determines an engine's bytes, as plain JSON data."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "source_digest": source_digest,
+        "backend": backend,
+        "target": target.to_dict(),
+        "tp": tp,
+        "dtype": dtype,
+        "profile": profile.to_dict(),
+        "toolchain": dict(toolchain),
+    }
+
+
+def engine_id(inputs: dict[str, Any]) -> str:
+    canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:ENGINE_ID_HEX]
+
+
+def hash_file(
+    path: Path, progress: Progress | Stage | None = None, label: str | None = None
+) -> str:
+    """Streamed sha256 of a file. A Stage is advanced by the bytes read; a Progress gets a stage
+    of its own named ``label`` (default: "hash <file name>")."""
+    if isinstance(progress, Progress):
+        with progress.stage(
+            label or f"hash {path.name}", total=path.stat().st_size, unit="B"
+        ) as st:
+            return hash_file(path, st)
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            if progress is not None:
+                progress.advance(len(chunk))
+    return h.hexdigest()
+
+
+def hash_engine_files(engine_dir: Path, progress: Progress | None = None) -> tuple[FileEntry, ...]:
+    """A FileEntry for every file under ``engine_dir`` except the manifest itself."""
+    paths = sorted(
+        (p for p in engine_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME),
+        key=lambda p: p.relative_to(engine_dir).as_posix(),
+    )
+    progress = progress or Progress.silent()
+    entries = []
+    with progress.stage("hash", total=sum(p.stat().st_size for p in paths), unit="B") as st:
+        for p in paths:
+            rel = p.relative_to(engine_dir).as_posix()
+            entries.append(FileEntry(rel, rank_of(rel), p.stat().st_size, hash_file(p, st)))
+    return tuple(entries)
+
+
+def write_manifest(engine_dir: Path, manifest: Manifest) -> Path:
+    path = engine_dir / MANIFEST_NAME
+    tmp = path.with_name(f".{MANIFEST_NAME}.tmp")
+    tmp.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(engine_dir: Path) -> Manifest:
+    path = Path(engine_dir) / MANIFEST_NAME
+    if not path.is_file():
+        hint = "pipeline build prints the engine directory as its last line"
+        if not Path(engine_dir).is_dir():
+            raise BuildError(f"engine directory {engine_dir} does not exist", hint)
+        raise BuildError(f"{engine_dir} has no {MANIFEST_NAME}, so it is not an engine", hint)
+    try:
+        return Manifest.from_dict(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BuildError(f"cannot read {path} ({e})", "rebuild the engine") from e
+    except ValueError as e:  # unsupported schema, invalid profile or target, unsafe path
+        raise BuildError(
+            f"{path}: {e}", "rebuild the engine with this version of the pipeline"
+        ) from e
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BuildError(
+            f"{path} is malformed (bad or missing field {e})", "rebuild the engine"
+        ) from e
+
+
+def check_engine_files(
+    engine_dir: Path, manifest: Manifest, progress: Progress | None = None
+) -> list[tuple[str, str]]:
+    """(path, reason) for every file that is missing, resized, altered, or not in the manifest."""
+    problems: list[tuple[str, str]] = []
+    listed = {f.path for f in manifest.files}
+    present = [f for f in manifest.files if (engine_dir / f.path).is_file()]
+    progress = progress or Progress.silent()
+    with progress.stage("verify", total=sum(f.size for f in present), unit="B") as st:
+        for f in manifest.files:
+            p = engine_dir / f.path
+            if not p.is_file():
+                problems.append((f.path, "missing"))
+            elif (size := p.stat().st_size) != f.size:
+                problems.append((f.path, f"size {size} != {f.size} in the manifest"))
+            elif hash_file(p, st) != f.sha256:
+                problems.append((f.path, "sha256 does not match the manifest"))
+    for p in sorted(engine_dir.rglob("*")):
+        rel = p.relative_to(engine_dir).as_posix()
+        if p.is_file() and rel != MANIFEST_NAME and rel not in listed:
+            problems.append((rel, "not listed in the manifest"))
+    return problems
+
+
+def verify_engine(engine_dir: Path, progress: Progress | None = None) -> list[str]:
+    """Rehash every file; the names of the bad, missing or unlisted ones (empty: all good)."""
+    engine_dir = Path(engine_dir)
+    return [path for path, _ in check_engine_files(engine_dir, read_manifest(engine_dir), progress)]

@@ -1,0 +1,95 @@
+"""Paged attention over a ragged token batch, in plain tensor operations.
+
+One step's tokens are flattened ([T]); decode tokens and prefill chunks are mixed freely.
+Attention runs in two groups so that neither pays for the other's shape:
+
+- decode group: one query per sequence, [Bd] rows;
+- prefill group: a sequence's chunk of queries padded to the step's longest chunk, [Bp, Q].
+
+Both groups gather their keys and values a whole block at a time through their block
+tables (never slot by slot: per-slot gathers compile into loops slower than the matmuls),
+and GQA broadcasts query groups over a KV head instead of copying KV heads. The runner
+pads an empty group with one dummy row that points at the null block, so every shape is
+at least 1 and one compiled program serves every mix.
+
+Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
+slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each token's k/v is written
+    out_index: torch.Tensor  # [T] int64: row of cat(decode_out, prefill_out.flatten) per token
+    dec_q_index: torch.Tensor  # [Bd] int64: token index of each decode query
+    dec_block_tables: torch.Tensor  # [Bd, Md] int64 (padded with the null block)
+    dec_ctx_lens: torch.Tensor  # [Bd] int64: keys visible to each decode query
+    pf_q_index: torch.Tensor  # [Bp, Q] int64: token index of each prefill query (padded)
+    pf_block_tables: torch.Tensor  # [Bp, Mp] int64
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v [T, Hk, D] -> the cache rows named by slot_mapping [T] (in place)."""
+    nb, bs, hk, d = k_cache.shape
+    k_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [NB, bs, Hk, D], block_tables [B, M] -> [B, Hk, M * bs, D]."""
+    b, m = block_tables.shape
+    _, bs, hk, d = cache.shape
+    blocks = cache[block_tables]  # [B, M, bs, Hk, D]
+    return blocks.view(b, m * bs, hk, d).transpose(1, 2)
+
+
+def _softmax_av(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # Softmax in float32 for bf16/fp16 models; masked keys get -inf. Every query row has
+    # at least key 0 visible, so no row is all -inf.
+    probs = scores.float().masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return probs @ v
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D]."""
+    _, hq, d = q.shape
+    hk = k_cache.shape[2]
+    g = hq // hk
+
+    # Decode group: [Bd, Hk, g, D] queries against [Bd, Hk, C, D] keys.
+    bd = meta.dec_q_index.shape[0]
+    qd = q[meta.dec_q_index].view(bd, hk, g, d)
+    kd = _gather_blocks(k_cache, meta.dec_block_tables)
+    vd = _gather_blocks(v_cache, meta.dec_block_tables)
+    sd = (qd @ kd.transpose(-1, -2)) * scale  # [Bd, Hk, g, C]
+    cd = torch.arange(kd.shape[2], device=q.device)
+    maskd = (cd.unsqueeze(0) < meta.dec_ctx_lens.unsqueeze(1)).view(bd, 1, 1, -1)
+    od = _softmax_av(sd, maskd, vd).reshape(bd, hq * d)  # [Bd, Hq * D]
+
+    # Prefill group: queries [Bp, Q] -> [Bp, Hk, g * Q, D]; causal by absolute position.
+    bp, nq = meta.pf_q_index.shape
+    qp = q[meta.pf_q_index]  # [Bp, Q, Hq, D]
+    qp = qp.view(bp, nq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(bp, hk, g * nq, d)
+    kp = _gather_blocks(k_cache, meta.pf_block_tables)
+    vp = _gather_blocks(v_cache, meta.pf_block_tables)
+    sp = (qp @ kp.transpose(-1, -2)) * scale  # [Bp, Hk, g * Q, C]
+    qpos = positions[meta.pf_q_index]  # [Bp, Q]
+    cp = torch.arange(kp.shape[2], device=q.device)
+    maskp = cp.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [Bp, Q, C]
+    maskp = maskp.unsqueeze(1).unsqueeze(1).expand(bp, 1, g, nq, -1).reshape(bp, 1, g * nq, -1)
+    op = _softmax_av(sp, maskp, vp)  # [Bp, Hk, g * Q, D]
+    op = op.view(bp, hk, g, nq, d).permute(0, 3, 1, 2, 4).reshape(bp * nq, hq * d)
+
+    return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]

@@ -1,0 +1,112 @@
+"""Tensor-parallel layers (Megatron/vLLM names) and the small dense pieces.
+
+Each layer declares only its *local* shapes; how a full checkpoint tensor is cut into a
+rank's piece is data in `pipeline.models.sharding`, shared by the converter and tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.parallel import TPContext
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; no communication."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty(out_local, in_features, dtype=dtype)
+        self.bias = _empty(out_local, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its heads' rows [q | k | v]."""
+
+    def __init__(
+        self, hidden: int, head_dim: int, q_heads_local: int, kv_heads_local: int, bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, dtype)
+        self.q_size = q_heads_local * head_dim
+        self.kv_size = kv_heads_local * head_dim
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate and up projections fused: each rank holds [gate_shard | up_shard]."""
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks."""
+
+    def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_local, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous vocabulary slice; out-of-slice ids contribute zeros."""
+
+    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty(vocab_local, hidden, dtype=dtype)
+        self.tp = tp
+        self.vocab_local = vocab_local
+        # A parameter, not a Python int or a buffer (AOTInductor folds those into the
+        # program): every rank's compiled program stays identical and the rank-specific
+        # offset arrives with the rank's weights.
+        self.vocab_start = nn.Parameter(torch.tensor(tp.rank * vocab_local), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, hidden]
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight)
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for the rank's vocabulary slice, gathered so every rank holds all of them."""
+
+    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty(vocab_local, hidden, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab]
+        return self.tp.all_gather_last_dim(F.linear(h, self.weight))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _empty(hidden, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like transformers does, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

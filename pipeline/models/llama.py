@@ -1,0 +1,115 @@
+"""One Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, tensor parallel.
+
+`forward` is the engine's step function: flat tensor arguments only, so `torch.export`
+can trace it with dynamic token, batch and block dimensions, and the same code runs
+eagerly. The KV cache is an argument that `forward` writes in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.models.attention import AttentionMetadata, paged_attention, write_kv
+from pipeline.models.config import ModelConfig
+from pipeline.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    silu_and_mul,
+)
+from pipeline.models.parallel import TPContext
+from pipeline.models.rope import apply_rope, inv_frequencies
+
+
+def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(query heads, KV heads) held by one rank; KV heads replicate when fewer than ranks."""
+    return cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hq, self.hk = local_heads(cfg, tp.size)
+        self.d = cfg.head_dim
+        self.scale = self.d**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = apply_rope(q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), positions, inv_freq)
+        write_kv(k_cache, v_cache, k, v.view(t, self.hk, self.d), meta.slot_mapping)
+        return self.o_proj(paged_attention(q, k_cache, v_cache, positions, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter_local = cfg.intermediate_size // tp.size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, dtype)
+        self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        vocab_local = cfg.vocab_size // tp.size
+        self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # Tied embeddings are stored twice in the shard (the embedding and the head can be
+        # split differently); it keeps every parameter a plain, independently bound tensor.
+        self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype)
+        self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        slot_mapping: torch.Tensor,  # [T]
+        out_index: torch.Tensor,  # [T]
+        dec_q_index: torch.Tensor,  # [Bd]
+        dec_block_tables: torch.Tensor,  # [Bd, Md]
+        dec_ctx_lens: torch.Tensor,  # [Bd]
+        pf_q_index: torch.Tensor,  # [Bp, Q]
+        pf_block_tables: torch.Tensor,  # [Bp, Mp]
+        logits_index: torch.Tensor,  # [L]
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, Hk, D]
+    ) -> torch.Tensor:  # [L, vocab] float32
+        meta = AttentionMetadata(
+            slot_mapping, out_index, dec_q_index, dec_block_tables, dec_ctx_lens,
+            pf_q_index, pf_block_tables,
+        )
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(residual)
+            residual = residual + layer.self_attn(
+                x, positions, self.inv_freq, kv_cache[i, 0], kv_cache[i, 1], meta
+            )
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        h = self.norm(residual[logits_index])  # [L, hidden]
+        return self.lm_head(h).float()

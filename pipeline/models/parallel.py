@@ -1,0 +1,40 @@
+"""Tensor-parallel context and the explicit collectives used inside `forward`.
+
+Collectives are torch functional collectives addressed by process-group *name*, so
+`torch.export` traces them as `_c10d_functional` ops and AOTInductor compiles them into
+the rank's package. The name baked in at build time is the default group's ("0"), which
+is what `torch.distributed.init_process_group` gives the world group at serve time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+WORLD_GROUP_NAME = "0"
+
+
+@dataclass(frozen=True, slots=True)
+class TPContext:
+    rank: int = 0
+    size: int = 1
+    group_name: str = WORLD_GROUP_NAME
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is outside a TP group of size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group_name))
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, d] on each rank -> [n, size * d], rank-major along the last dim."""
+        if self.size == 1:
+            return x
+        g = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, self.group_name))  # [size * n, d]
+        n, d = x.shape
+        return g.view(self.size, n, d).permute(1, 0, 2).reshape(n, self.size * d)

@@ -1,0 +1,134 @@
+"""The sharding rule: how each of our parameters is cut from Hugging Face tensors.
+
+This table is the single source of truth shared by the converter (build time) and the
+tests. Names use `{i}` for the layer index.
+
+kinds:
+  replicate     the same full tensor on every rank
+  column        split dim 0 (output rows) evenly
+  row           split dim 1 (input columns) evenly
+  vocab         split dim 0 by vocabulary slice (embedding, LM head)
+  qkv           q rows by query head, k/v rows by KV head (replicated when KV heads < TP)
+  merged        gate and up each split dim 0, then concatenated
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.models.config import ModelConfig
+from pipeline.models.rope import inv_frequencies
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRule:
+    name: str  # our parameter name
+    sources: tuple[str, ...]  # Hugging Face tensor names
+    kind: str
+    optional: bool = False  # present only with some configs (q/k/v bias)
+
+
+LAYER_RULES: tuple[ShardRule, ...] = (
+    ShardRule("layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicate"),
+    ShardRule(
+        "layers.{i}.self_attn.qkv_proj.weight",
+        tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"),
+        "qkv",
+    ),
+    ShardRule(
+        "layers.{i}.self_attn.qkv_proj.bias",
+        tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"),
+        "qkv",
+        optional=True,
+    ),
+    ShardRule("layers.{i}.self_attn.o_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
+    ShardRule(
+        "layers.{i}.post_attention_layernorm.weight",
+        ("model.layers.{i}.post_attention_layernorm.weight",),
+        "replicate",
+    ),
+    ShardRule(
+        "layers.{i}.mlp.gate_up_proj.weight",
+        ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        "merged",
+    ),
+    ShardRule("layers.{i}.mlp.down_proj.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+)
+GLOBAL_RULES: tuple[ShardRule, ...] = (
+    ShardRule("embed_tokens.weight", ("model.embed_tokens.weight",), "vocab"),
+    ShardRule("norm.weight", ("model.norm.weight",), "replicate"),
+    ShardRule("lm_head.weight", ("lm_head.weight",), "vocab"),
+)
+
+
+def rules_for(cfg: ModelConfig) -> list[ShardRule]:
+    """Every rule instantiated for this model's layers, in a fixed order."""
+    rules: list[ShardRule] = []
+    for i in range(cfg.num_hidden_layers):
+        for r in LAYER_RULES:
+            if r.optional and not cfg.qkv_bias:
+                continue
+            rules.append(
+                ShardRule(r.name.format(i=i), tuple(s.format(i=i) for s in r.sources), r.kind)
+            )
+    for r in GLOBAL_RULES:
+        sources = r.sources
+        if r.name == "lm_head.weight" and cfg.tie_word_embeddings:
+            sources = ("model.embed_tokens.weight",)
+        rules.append(ShardRule(r.name, sources, r.kind))
+    return rules
+
+
+def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the KV heads rank `rank` holds."""
+    hk = cfg.num_key_value_heads
+    if tp <= hk:
+        per = hk // tp
+        return rank * per, (rank + 1) * per
+    head = rank // (tp // hk)  # ranks sharing one replicated KV head are neighbours
+    return head, head + 1
+
+
+def _split(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def shard_tensor(
+    rule: ShardRule, tensors: list[torch.Tensor], cfg: ModelConfig, tp: int, rank: int
+) -> torch.Tensor:
+    """Cut rank `rank`'s piece of one parameter from its full source tensors."""
+    if rule.kind == "replicate":
+        return tensors[0]
+    if rule.kind in ("column", "vocab"):
+        return _split(tensors[0], 0, tp, rank)
+    if rule.kind == "row":
+        return _split(tensors[0], 1, tp, rank)
+    if rule.kind == "merged":
+        return torch.cat([_split(t, 0, tp, rank) for t in tensors], dim=0)
+    if rule.kind == "qkv":
+        q, k, v = tensors
+        d = cfg.head_dim
+        q_local = cfg.num_attention_heads // tp
+        lo, hi = kv_head_range(cfg, tp, rank)
+        return torch.cat(
+            (q[rank * q_local * d : (rank + 1) * q_local * d], k[lo * d : hi * d], v[lo * d : hi * d]),
+            dim=0,
+        )
+    raise ValueError(f"unknown shard kind {rule.kind!r}")
+
+
+def shard_state_dict(
+    get: Callable[[str], torch.Tensor], cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s complete state dict (weights and buffers) from a full-checkpoint getter."""
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules_for(cfg):
+        piece = shard_tensor(rule, [get(s) for s in rule.sources], cfg, tp, rank)
+        out[rule.name] = piece.to(dtype).contiguous()
+    # Buffers travel with the weights so that one compiled program serves every rank.
+    out["embed_tokens.vocab_start"] = torch.tensor(rank * (cfg.vocab_size // tp), dtype=torch.int64)
+    out["inv_freq"] = inv_frequencies(cfg.rope, cfg.head_dim)
+    return out

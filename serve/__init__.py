@@ -1,0 +1,1 @@
+"""Serve stage: MPI-launched workers, readiness gates, OpenAI-compatible endpoint."""

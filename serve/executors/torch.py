@@ -1,0 +1,68 @@
+"""Model runners for torch engines (aoti and eager), from an engine or a raw checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.convert import _open_weights, read_model_config
+from pipeline.models.config import ModelConfig
+from pipeline.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
+from pipeline.models.parallel import TPContext
+from pipeline.models.sharding import shard_state_dict
+from serve.runner import ModelRunner, StepFn
+
+
+def make_step_fn(
+    backend: str, cfg: ModelConfig, tp: TPContext, dtype: str, weights: dict[str, torch.Tensor],
+    engine_dir: Path | None = None, device: str = "cpu",
+) -> StepFn:
+    """The rank's step function with its weights bound (no copy of the weights)."""
+    if backend == "eager":
+        model = build_model(cfg, tp, torch_dtype(dtype), "meta")
+        bind_weights(model, weights)
+        return model
+    if backend == "aoti":
+        from pipeline.compile.aoti import load_step_fn
+
+        assert engine_dir is not None
+        return load_step_fn(engine_dir / f"rank{tp.rank}.pt2", weights, device)
+    raise ValueError(f"backend {backend!r} has no torch step function")
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, tp: int, num_blocks: int, block_size: int, dtype: str, device: str = "cpu"
+) -> torch.Tensor:
+    # Zeroed, so the null block and never-written slots hold finite values.
+    shape = kv_cache_shape(cfg, tp, num_blocks, block_size)
+    return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+
+
+def runner_from_checkpoint(
+    hf_dir: Path, tp: TPContext, dtype: str, num_blocks: int, block_size: int,
+) -> tuple[ModelRunner, ModelConfig]:
+    """An eager runner straight from a Hugging Face checkpoint (sharded in memory)."""
+    cfg, _ = read_model_config(hf_dir)
+    cfg.check_tp(tp.size)
+    weights = shard_state_dict(_open_weights(hf_dir), cfg, tp.size, tp.rank, torch_dtype(dtype))
+    step_fn = make_step_fn("eager", cfg, tp, dtype, weights)
+    kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype)
+    return ModelRunner(step_fn, kv, block_size), cfg
+
+
+def runner_from_engine(
+    engine_dir: Path, backend: str, dtype: str, tp: TPContext, num_blocks: int, block_size: int,
+    device: str = "cpu",
+) -> tuple[ModelRunner, ModelConfig]:
+    """A runner over a built engine's rank shard (read and hashed by the loader)."""
+    from pipeline.convert import load_engine_model_config
+    from serve.loader import load_shard
+
+    cfg = load_engine_model_config(engine_dir)
+    shard = load_shard(engine_dir / f"rank{tp.rank}.safetensors", device)
+    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, engine_dir, device)
+    kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(step_fn, kv, block_size)
+    runner.keepalive = shard
+    return runner, cfg

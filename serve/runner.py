@@ -1,0 +1,126 @@
+"""ModelRunner: applies step plans to per-sequence state and runs the step function.
+
+Every rank runs one. It keeps its own copy of each sequence's tokens and block table,
+learned from the plans (sent in full once, then deltas), turns a plan into the flat
+tensors of the model's step function, and runs it (eager module or AOTInductor package:
+the same positional signature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from serve.plan import NULL_BLOCK, ScheduledSeq, StepPlan
+
+StepFn = Callable[..., torch.Tensor]
+
+
+@dataclass(slots=True)
+class SeqState:
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+
+
+def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+
+def prepare_inputs(
+    items: list[tuple[SeqState, ScheduledSeq]], block_size: int
+) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Flatten one step into the step function's arguments (all but the KV cache).
+
+    Returns the arguments in `LlamaForCausalLM.forward` order and the seq ids whose logits
+    rows come back, in row order.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    dec_q, dec_tables, dec_ctx = [], [], []
+    pf_rows: list[tuple[int, int, list[int]]] = []  # (first token index, count, block table)
+    owner: list[tuple[str, int, int]] = []  # per token: group, row, column
+    logits_index, sampled = [], []
+    for state, s in items:
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        first = len(ids)
+        for p in range(start, start + n):
+            ids.append(state.token_ids[p])
+            pos.append(p)
+            slots.append(state.block_table[p // block_size] * block_size + p % block_size)
+        nblocks = (start + n + block_size - 1) // block_size
+        if n == 1:
+            owner.append(("d", len(dec_q), 0))
+            dec_q.append(first)
+            dec_tables.append(state.block_table[:nblocks])
+            dec_ctx.append(start + 1)
+        else:
+            owner.extend(("p", len(pf_rows), c) for c in range(n))
+            pf_rows.append((first, n, state.block_table[:nblocks]))
+        if s.sample:
+            logits_index.append(first + n - 1)
+            sampled.append(s.seq_id)
+    # An empty group gets one dummy row on the null block so that no shape is ever 0.
+    if not dec_q:
+        dec_q, dec_tables, dec_ctx = [0], [[NULL_BLOCK]], [1]
+    if not pf_rows:
+        pf_rows = [(0, 1, [NULL_BLOCK])]
+    if not logits_index:
+        logits_index = [0]
+    width = max(n for _, n, _ in pf_rows)
+    pf_q = [[first + min(c, n - 1) for c in range(width)] for first, n, _ in pf_rows]
+    bd = len(dec_q)
+    out_index = [row if g == "d" else bd + row * width + col for g, row, col in owner]
+    t = torch.tensor
+    args = (
+        t(ids, dtype=torch.int64),
+        t(pos, dtype=torch.int64),
+        t(slots, dtype=torch.int64),
+        t(out_index, dtype=torch.int64),
+        t(dec_q, dtype=torch.int64),
+        _pad(dec_tables, NULL_BLOCK),
+        t(dec_ctx, dtype=torch.int64),
+        t(pf_q, dtype=torch.int64),
+        _pad([table for _, _, table in pf_rows], NULL_BLOCK),
+        t(logits_index, dtype=torch.int64),
+    )
+    return args, sampled
+
+
+class ModelRunner:
+    def __init__(self, step_fn: StepFn, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.step_fn = step_fn
+        self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D]
+        self.block_size = block_size
+        self.seqs: dict[int, SeqState] = {}
+        self.keepalive: object = None  # what the step function's weights are views of
+
+    def apply(self, plan: StepPlan) -> list[tuple[SeqState, ScheduledSeq]]:
+        """Update per-sequence state from a plan, in the documented order."""
+        for sid in plan.freed_seq_ids:
+            self.seqs.pop(sid, None)
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = SeqState(list(new.token_ids))
+        for sid, tok in plan.appended_tokens.items():
+            if sid in self.seqs:
+                self.seqs[sid].token_ids.append(tok)
+        items = []
+        for s in plan.scheduled:
+            state = self.seqs[s.seq_id]
+            state.block_table.extend(s.new_block_ids)
+            items.append((state, s))
+        return items
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
+        """Run one step; returns (seq ids, logits [n, vocab]) for the rows to sample."""
+        items = self.apply(plan)
+        if not items:
+            return [], None
+        args, sampled = prepare_inputs(items, self.block_size)
+        dev = self.kv_cache.device
+        logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.kv_cache)
+        return sampled, logits[: len(sampled)]

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random checkpoints made with transformers, and process helpers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def mpirun_cmd(n: int) -> list[str]:
+    mpirun = shutil.which("mpirun", path=str(VENV_BIN)) or shutil.which("mpirun") or "mpirun"
+    return [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n)]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overrides: object) -> Path:
+    """A small random model saved with save_pretrained (float32), with a tokenizer."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        common.setdefault("rope_scaling", {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        })
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    model = cls(cfg).float().eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    models = {k: make_tiny_checkpoint(root / k, k) for k in ("llama", "mistral", "qwen2")}
+    # One KV head: at TP=2 it is replicated on both ranks instead of split.
+    models["llama_kv1"] = make_tiny_checkpoint(root / "llama_kv1", "llama", seed=3, num_key_value_heads=1)
+    return models

@@ -1,0 +1,23 @@
+"""Contract fake of TensorRT-LLM 1.2.x, written from shared/reference/tensorrt-llm-1.2-api.md.
+
+Importable as `tensorrt_llm` only inside tests (see tests/fakes/conftest_helper.py). It has
+exactly the documented surface (tests/fakes/api_surface.py) and no GPU: engines are small
+files and the "network" is a deterministic toy rule (tensorrt_llm/_fake/toy.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._fake import env
+from .builder import BuildConfig
+from .mapping import Mapping
+
+__all__ = ["BuildConfig", "Mapping"]
+
+
+def __getattr__(name: str) -> Any:
+    # Read per access so a test can change FAKE_TRTLLM_VERSION without re-importing.
+    if name == "__version__":
+        return env.trtllm_version()
+    raise AttributeError(f"module 'tensorrt_llm' has no attribute {name!r}")

@@ -1,0 +1,192 @@
+"""tensorrt_llm.bindings.executor.Executor in LEADER mode (reference §2.1, §2.2).
+
+Every rank constructs it (collectively); rank 0, the leader, runs the execution thread and
+is the only one allowed to enqueue, await, cancel or read stats. Other ranks call
+shutdown(), which blocks until the leader's shutdown() sends them a terminate message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..._fake import env, mpi
+from ._config import ExecutorConfig
+from ._enums import BatchingType, CommunicationMode, ModelType
+from ._load import LoadedEngine, kv_cache_blocks, load_engine
+from ._loop import Loop
+from ._request import Request
+from ._responses import await_responses, enqueue, resolve_await
+from ._stats import IterationStats, RequestStatsPerIteration
+
+STATIC_BATCHING = (
+    "Static batching type is deprecated. Please use in-flight batching with "
+    "CapacitySchedulerPolicy::kSTATIC_BATCH instead."
+)
+LEADER_ONLY = "With LEADER communication mode, only leader rank is expected to call {}"
+
+
+class Executor:
+    def __init__(self, model_path: str | os.PathLike[str], model_type: ModelType,
+                 executor_config: ExecutorConfig) -> None:
+        if isinstance(model_path, (bytes, bytearray)):
+            raise NotImplementedError("the fake implements only the model_path overload")
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError(f"Executor(): model_path must be str or a path, got {model_path!r}")
+        if not isinstance(model_type, ModelType):
+            raise TypeError(f"Executor(): model_type must be a ModelType, got {model_type!r}")
+        if not isinstance(executor_config, ExecutorConfig):
+            raise TypeError("Executor(): executor_config must be an ExecutorConfig")
+        if model_type is not ModelType.DECODER_ONLY:
+            raise NotImplementedError("the TensorRT-LLM fake serves DECODER_ONLY engines only")
+        if executor_config.batching_type is BatchingType.STATIC:
+            raise RuntimeError(STATIC_BATCHING)
+        _check_parallel(executor_config)
+        self._world = mpi.world()
+        self._leader = 0  # the first participant
+        self._shut = False
+        self._loop: Loop | None = None
+        self._next_id = 1  # request ids start at 1
+        loaded, error = self._try_load(Path(model_path), executor_config)
+        # Construction is collective: all ranks agree on what they loaded, or all fail.
+        mine = (str(Path(model_path).resolve()), model_type.name, error)
+        views = mpi.agree(self._world, mine, env.collective_timeout_s())
+        errors = [v[2] for v in views if v[2] is not None]
+        if errors:
+            raise RuntimeError(error or f"Executor construction failed on another rank: {errors[0]}")
+        if len({v[:2] for v in views}) != 1:
+            raise RuntimeError(f"fake TensorRT-LLM: ranks constructed the Executor with different "
+                               f"arguments: {[v[:2] for v in views]}")
+        assert loaded is not None
+        if self._world.rank == self._leader:
+            self._loop = self._start(*loaded, executor_config)
+
+    def _try_load(self, model_path: Path, cfg: ExecutorConfig
+                  ) -> tuple[tuple[LoadedEngine, int] | None, str | None]:
+        try:
+            eng = load_engine(model_path, self._world.rank, self._world.size)
+            return (eng, kv_cache_blocks(eng, cfg.kv_cache_config)), None
+        except RuntimeError as e:
+            return None, str(e)
+
+    @staticmethod
+    def _start(eng: LoadedEngine, blocks: int, cfg: ExecutorConfig) -> Loop:
+        b = eng.build
+        if cfg.enable_chunked_context and not b["plugin_config"]["use_paged_context_fmha"]:
+            env.log("WARNING", "Chunked context is not supported without paged context FMHA; "
+                    "disabling it (rebuild with --use_paged_context_fmha enable)")
+            cfg.enable_chunked_context = False
+        limits = {}
+        for name in ("max_batch_size", "max_num_tokens"):
+            asked = getattr(cfg, name)
+            limits[name] = b[name] if asked is None else min(asked, b[name])
+            if asked is not None and asked > b[name]:
+                env.log("WARNING", f"{name} ({asked}) is larger than the engine's ({b[name]}); "
+                        f"using {b[name]}")
+        return Loop(eng, cfg, limits["max_batch_size"], limits["max_num_tokens"], blocks)
+
+    # -- leader-only API ---------------------------------------------------------------
+    def _leader_loop(self, method: str) -> Loop:
+        if self._world.rank != self._leader:
+            raise RuntimeError(LEADER_ONLY.format(method))
+        if self._shut or self._loop is None:
+            raise RuntimeError(f"Executor has been shut down; cannot call {method}")
+        return self._loop
+
+    def enqueue_request(self, request: Request, /) -> int:
+        return self.enqueue_requests([request])[0]
+
+    def enqueue_requests(self, requests: list[Request], /) -> list[int]:
+        loop = self._leader_loop("enqueueRequests")
+        if not isinstance(requests, list):
+            raise TypeError(f"enqueue_requests(): expected a list of Request, got {requests!r}")
+        with loop.cond:
+            ids = enqueue(loop, requests, self._next_id)
+            self._next_id += len(requests)
+        return ids
+
+    def await_responses(self, *args: Any, **kwargs: Any) -> list[Any]:
+        target, timeout = resolve_await(args, kwargs)
+        return await_responses(self._leader_loop("awaitResponses"), target, timeout)
+
+    def get_num_responses_ready(self, id: int | None = None) -> int:
+        loop = self._leader_loop("getNumResponsesReady")
+        with loop.cond:
+            return sum(1 for r in loop.ready if id is None or r.request_id == id)
+
+    def cancel_request(self, id: int, /) -> None:
+        loop = self._leader_loop("cancelRequest")
+        with loop.cond:
+            for seq in loop.queued + loop.active:
+                if seq.id == id:
+                    seq.cancelled = True
+            loop.cond.notify_all()
+
+    def get_latest_iteration_stats(self) -> list[IterationStats]:
+        return _drain(self._leader_loop("getLatestIterationStats"), "iter_stats")
+
+    def get_latest_request_stats(self) -> list[RequestStatsPerIteration]:
+        return _drain(self._leader_loop("getLatestRequestStats"), "req_stats")
+
+    def get_latest_debug_tensors(self) -> list[Any]:
+        self._leader_loop("getLatestDebugTensors")
+        return []
+
+    def get_kv_cache_event_manager(self) -> None:
+        if self._loop is not None and self._loop.cfg.kv_cache_config.event_buffer_max_size > 0:
+            raise NotImplementedError("the TensorRT-LLM fake has no KV cache event manager")
+        return None
+
+    # -- every rank --------------------------------------------------------------------
+    def can_enqueue_requests(self) -> bool:
+        return self._world.rank == self._leader and not self._shut
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        if self._loop is not None:
+            self._loop.stop()
+            mpi.send_terminate(self._world, self._leader)
+        else:
+            mpi.wait_terminate(self._world, self._leader)  # blocks until the leader shuts down
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @contextlib.contextmanager
+    def _fake_hold(self) -> Iterator[None]:
+        """Fake-only test hook: no iteration runs inside the block (deterministic queues)."""
+        loop = self._leader_loop("_fake_hold")
+        with loop.cond:
+            loop.hold += 1
+        try:
+            yield
+        finally:
+            with loop.cond:
+                loop.hold -= 1
+                loop.cond.notify_all()
+
+
+def _check_parallel(cfg: ExecutorConfig) -> None:
+    pc = cfg.parallel_config
+    if pc is None:
+        return
+    if pc.communication_mode is CommunicationMode.ORCHESTRATOR:
+        raise NotImplementedError("the TensorRT-LLM fake implements LEADER mode only")
+    if pc.participant_ids is not None:
+        raise NotImplementedError("the TensorRT-LLM fake does not implement participant_ids")
+
+
+def _drain(loop: Loop, attr: str) -> list[Any]:
+    with loop.cond:
+        buf = getattr(loop, attr)
+        out = list(buf)
+        buf.clear()
+        return out

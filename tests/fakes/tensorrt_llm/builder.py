@@ -1,0 +1,148 @@
+"""tensorrt_llm.builder: BuildConfig, build(), Engine and its directory layout (§1.2, §1.3).
+
+Engine directory: config.json (rank 0 only: version, pretrained_config, build_config) and one
+rank{N}.engine per rank. The fake's plan records the builder's SM, TensorRT and TensorRT-LLM
+versions and the toy model; bindings.executor refuses to load it on a different "machine".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ._fake import env
+from ._fake.engine_file import engine_bytes
+from .models.modeling_utils import PretrainedConfig, PretrainedModel
+from .plugin.plugin import PluginConfig
+
+KV_CACHE_TYPES = ("CONTINUOUS", "PAGED", "DISABLED")
+INVALID_ENGINE_CONFIG = (
+    "Invalid engine config found from {}, please use the corresponding version of trtllm-build "
+    "to build the engine."
+)
+
+
+class BuildConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_input_len: int = 1024
+    max_seq_len: int | None = None  # None: max_position_embeddings (x rotary factor) or 2048
+    max_batch_size: int = 2048
+    max_beam_width: int = 1
+    max_num_tokens: int = 8192
+    opt_num_tokens: int | None = None  # None: max_batch_size * max_beam_width
+    kv_cache_type: str | None = None  # None: PAGED
+    gather_context_logits: bool = False
+    strongly_typed: bool = True
+    plugin_config: PluginConfig = Field(default_factory=PluginConfig)
+    lora_config: dict[str, Any] | None = None
+    input_timing_cache: str | None = None
+    output_timing_cache: str = "model.cache"
+    weight_streaming: bool = False
+    use_strip_plan: bool = False
+    use_refit: bool = False
+
+    @field_validator("kv_cache_type")
+    @classmethod
+    def _kv_type(cls, v: str | None) -> str | None:
+        if v is not None and v.upper() not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache_type must be one of {[t.lower() for t in KV_CACHE_TYPES]}")
+        return None if v is None else v.upper()
+
+    @field_validator("max_input_len", "max_batch_size", "max_beam_width", "max_num_tokens")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+
+class EngineConfig:
+    def __init__(self, pretrained_config: PretrainedConfig, build_config: BuildConfig,
+                 version: str) -> None:
+        self.pretrained_config = pretrained_config
+        self.build_config = build_config
+        self.version = version
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "pretrained_config": self.pretrained_config.to_dict(),
+            "build_config": self.build_config.model_dump(),
+        }
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, engine: bytes) -> None:
+        self.config = config
+        self.engine = engine
+
+    def save(self, engine_dir: str | Path, /) -> None:
+        out = Path(engine_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rank = self.config.pretrained_config.mapping.rank
+        if rank == 0:
+            (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        (out / f"rank{rank}.engine").write_bytes(self.engine)
+
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, rank: int, /) -> Engine:
+        d = read_engine_config(engine_dir)
+        config = EngineConfig(
+            PretrainedConfig.from_dict(d["pretrained_config"], rank),
+            BuildConfig.model_validate(d["build_config"]),
+            d["version"],
+        )
+        return cls(config, (Path(engine_dir) / f"rank{rank}.engine").read_bytes())
+
+
+def read_engine_config(engine_dir: str | Path) -> dict[str, Any]:
+    d = json.loads((Path(engine_dir) / "config.json").read_text())
+    if not {"version", "pretrained_config", "build_config"} <= d.keys():
+        raise ValueError(INVALID_ENGINE_CONFIG.format(engine_dir))
+    return d
+
+
+def get_engine_version(engine_dir: str | Path, /) -> str | None:
+    return json.loads((Path(engine_dir) / "config.json").read_text()).get("version")
+
+
+def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
+    if not isinstance(model, PretrainedModel):
+        raise TypeError(f"model must be a tensorrt_llm model, got {type(model).__name__}")
+    if not isinstance(build_config, BuildConfig):
+        raise TypeError(f"build_config must be a BuildConfig, got {type(build_config).__name__}")
+    bc = build_config.model_copy(deep=True)
+    pc = model.config
+    _init_max_seq_len(bc, pc)
+    if bc.plugin_config.multiple_profiles and bc.opt_num_tokens is not None:
+        raise RuntimeError("opt_num_tokens cannot be set together with multiple_profiles")
+    if bc.opt_num_tokens is None:
+        bc.opt_num_tokens = bc.max_batch_size * bc.max_beam_width
+    if bc.kv_cache_type is None:
+        bc.kv_cache_type = "PAGED"
+    m = pc.mapping
+    plan = engine_bytes({
+        "trtllm_version": env.trtllm_version(),
+        "tensorrt_version": env.tensorrt_version(),
+        "sm": env.device_sm(),
+        "rank": m.rank, "tp_size": m.tp_size, "pp_size": m.pp_size, "cp_size": m.cp_size,
+        "toy": model._toy.to_dict(),
+    })
+    return Engine(EngineConfig(_copy_config(pc), bc, env.trtllm_version()), plan)
+
+
+def _init_max_seq_len(bc: BuildConfig, pc: PretrainedConfig) -> None:
+    if bc.max_seq_len is None:
+        mpe = pc.max_position_embeddings
+        scaling = pc.extras.get("rotary_scaling") or {}
+        factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+        bc.max_seq_len = int(mpe * max(float(factor), 1.0)) if mpe else 2048
+    bc.max_input_len = min(bc.max_input_len, bc.max_seq_len)
+
+
+def _copy_config(pc: PretrainedConfig) -> PretrainedConfig:
+    return PretrainedConfig.from_dict(pc.to_dict(), pc.mapping.rank)

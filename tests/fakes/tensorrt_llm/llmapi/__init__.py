@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from ..builder import BuildConfig
+
+__all__ = ["BuildConfig"]

@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from .plugin import PluginConfig
+
+__all__ = ["PluginConfig"]

@@ -1,0 +1,39 @@
+"""tensorrt_llm.plugin.plugin.PluginConfig: the pydantic plugin settings (reference §1.2)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+# Precision plugins take a dtype, "auto", or "disable" (stored as None = off).
+_PLUGIN_DTYPES = {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4"}
+
+
+class PluginConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    gemm_plugin: str | None = None  # default off; docs recommend "auto" for FP16/BF16
+    gpt_attention_plugin: str | None = "auto"  # auto = the model dtype
+    nccl_plugin: str | None = "auto"
+    context_fmha: bool = True
+    remove_input_padding: bool = True
+    use_paged_context_fmha: bool = True  # pydantic 1.x default; chunked context needs it
+    multiple_profiles: bool = False
+    tokens_per_block: int = 32
+    reduce_fusion: bool = False
+    use_fused_mlp: bool = True
+
+    @field_validator("gemm_plugin", "gpt_attention_plugin", "nccl_plugin", mode="before")
+    @classmethod
+    def _precision(cls, v: str | None) -> str | None:
+        if v is None or v == "disable":
+            return None
+        if v not in _PLUGIN_DTYPES:
+            raise ValueError(f"plugin dtype must be one of {sorted(_PLUGIN_DTYPES)} or disable")
+        return v
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _tpb(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("tokens_per_block must be positive")
+        return v

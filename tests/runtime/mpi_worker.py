@@ -1,0 +1,73 @@
+"""Run under `mpirun -n N`: TP=N logits and in-flight batching on tiny checkpoints.
+
+Usage: mpi_worker.py OUT.json KIND=PATH [KIND=PATH ...]. Rank 0 writes what it observed;
+the test compares it with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.models.parallel import TPContext
+from serve.comm import Comm
+from serve.engine import LLMEngine, worker_loop
+from serve.executors.torch import runner_from_checkpoint
+from serve.plan import NewSeq, ScheduledSeq, StepPlan
+from serve.scheduler import SchedulerConfig
+from serve.types import SamplingParams, TokenEvent
+from tests.runtime.test_engine import BLOCK, staggered_workload
+
+PROMPTS = ([1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1])
+
+
+def main() -> None:
+    out_path, specs = Path(sys.argv[1]), dict(a.split("=", 1) for a in sys.argv[2:])
+    torch.set_num_threads(1)
+    comm = Comm()
+    comm.init_process_group("gloo")
+    tp = TPContext(comm.rank, comm.size)
+    result: dict[str, object] = {"world": comm.size}
+    for kind, path in specs.items():
+        runner, cfg = runner_from_checkpoint(Path(path), tp, "float32", 128, BLOCK)
+        a, b = PROMPTS
+        _, l1 = runner.execute(StepPlan(0, new_seqs=[NewSeq(0, list(a)), NewSeq(1, list(b))], scheduled=[
+            ScheduledSeq(0, 0, 7, [1, 2], True), ScheduledSeq(1, 0, 11, [3, 4, 5], True)]))
+        _, l2 = runner.execute(StepPlan(1, appended_tokens={0: 50, 1: 60}, scheduled=[
+            ScheduledSeq(0, 7, 1, [], True), ScheduledSeq(1, 11, 1, [], True)]))
+        entry: dict[str, object] = {"logits": torch.cat([l1, l2]).tolist()}
+        # In-flight batching: rank 0 schedules, the plans travel over MPI.
+        runner.seqs.clear()
+        if comm.rank == 0:
+            sc = SchedulerConfig(16, 32, BLOCK, 128, 256, cfg.eos_token_ids)
+            engine = LLMEngine(runner, sc, comm)
+            work = staggered_workload()
+            outs: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
+            done: set[str] = set()
+
+            def cb(ev: TokenEvent, outs=outs, done=done) -> None:
+                outs[ev.request_id].extend(ev.token_ids)
+                if ev.finish_reason:
+                    done.add(ev.request_id)
+
+            step = 0
+            while len(done) < len(work):
+                for i, (arrive, prompt, mt) in enumerate(work):
+                    if arrive == step:
+                        engine.add_request(str(i), prompt, SamplingParams(max_tokens=mt, temperature=0), cb)
+                engine.step()
+                step += 1
+            engine.shutdown_workers()
+            entry["generated"] = outs
+        else:
+            worker_loop(runner, comm)
+        result[kind] = entry
+    if comm.rank == 0:
+        out_path.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

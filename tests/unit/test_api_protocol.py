@@ -1,0 +1,212 @@
+"""OpenAI request validation (pure functions) and tokenizer-dependent preparation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from serve.api.prompt import build_sampling_params, encode_prompt
+from serve.api.protocol import (
+    ApiError,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from tests.unit.test_detok import build_tiny_tokenizer
+
+MSG = [{"role": "user", "content": "hi"}]
+C = "completion"
+CHAT = "chat"
+
+# (endpoint, body, status, error type, param). Every row is a request a client or an
+# attacker could send; none may reach the engine.
+MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
+    (C, {}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": ""}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": []}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": 42}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": ["a", "b"]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": [[1, 2], [3]]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": [1, -2, 3]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": [1, True]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": [1, 2.5]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": -5}, 400, "invalid_request_error", "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": "16"}, 400, "invalid_request_error", "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": True}, 400, "invalid_request_error", "max_tokens"),
+    (C, {"prompt": "x", "max_tokens": 1.5}, 400, "invalid_request_error", "max_tokens"),
+    (C, {"prompt": "x", "temperature": 2.5}, 400, "invalid_request_error", "temperature"),
+    (C, {"prompt": "x", "temperature": -0.1}, 400, "invalid_request_error", "temperature"),
+    (C, {"prompt": "x", "temperature": "hot"}, 400, "invalid_request_error", "temperature"),
+    (C, {"prompt": "x", "top_p": 0}, 400, "invalid_request_error", "top_p"),
+    (C, {"prompt": "x", "top_p": 1.01}, 400, "invalid_request_error", "top_p"),
+    (C, {"prompt": "x", "top_k": -2}, 400, "invalid_request_error", "top_k"),
+    (C, {"prompt": "x", "seed": -1}, 400, "invalid_request_error", "seed"),
+    (C, {"prompt": "x", "seed": 2**64}, 400, "invalid_request_error", "seed"),
+    (C, {"prompt": "x", "n": 2}, 400, "invalid_request_error", "n"),
+    (C, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request_error",
+     "stop"),
+    (C, {"prompt": "x", "stop": [""]}, 400, "invalid_request_error", "stop"),
+    (C, {"prompt": "x", "stop": 7}, 400, "invalid_request_error", "stop"),
+    (C, {"prompt": "x", "stop": ["a", 1]}, 400, "invalid_request_error", "stop"),
+    (C, {"prompt": "x", "stream": "yes"}, 400, "invalid_request_error", "stream"),
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "invalid_request_error", "stream_options"),
+    (C, {"prompt": "x", "stream": True, "stream_options": []}, 400, "invalid_request_error",
+     "stream_options"),
+    (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "invalid_request_error", "include_usage"),
+    (C, {"prompt": "x", "logprobs": 5}, 400, "invalid_request_error", "logprobs"),
+    (C, {"prompt": "x", "echo": True}, 400, "invalid_request_error", "echo"),
+    (C, {"prompt": "x", "frequency_penalty": 0.5}, 400, "invalid_request_error",
+     "frequency_penalty"),
+    (C, {"prompt": "x", "ignore_eos": "true"}, 400, "invalid_request_error", "ignore_eos"),
+    (C, {"prompt": "x", "model": 3}, 400, "invalid_request_error", "model"),
+    (CHAT, {}, 400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": []}, 400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": "hi"}, 400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": ["hi"]}, 400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request_error",
+     "messages"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request_error",
+     "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                      "image_url": {"url": "x"}}]}]},
+     400, "invalid_request_error", "messages"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "invalid_request_error",
+     "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_request_error",
+     "tools"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "invalid_request_error", "response_format"),
+    (CHAT, {"messages": MSG, "n": 3}, 400, "invalid_request_error", "n"),
+]
+
+
+def _parse(endpoint: str, body: dict[str, Any]):
+    return parse_chat_request(body) if endpoint == CHAT else parse_completion_request(body)
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "etype", "param"), MALFORMED)
+def test_malformed_requests_are_rejected_with_openai_errors(
+        endpoint: str, body: dict[str, Any], status: int, etype: str, param: str | None) -> None:
+    with pytest.raises(ApiError) as info:
+        _parse(endpoint, body)
+    err = info.value
+    assert (err.status, err.type, err.param) == (status, etype, param), err.message
+    payload = err.body()["error"]
+    assert set(payload) == {"message", "type", "param", "code"}
+    assert payload["message"]
+
+
+@pytest.mark.parametrize(("raw", "fragment"), [
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b"null", "JSON object"),
+    (b"", "not valid JSON"),
+    (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+])
+def test_unparsable_bodies(raw: bytes, fragment: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400 and fragment in info.value.message
+
+
+def test_valid_completion_defaults_and_unknown_fields_ignored() -> None:
+    req = parse_completion_request({"prompt": "hello", "user": "u1", "best_effort": 3,
+                                    "frequency_penalty": 0, "logprobs": None})
+    assert req.kind == "completion" and req.prompt == "hello"
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (16, 1.0, 1.0, 0)
+    assert (req.stream, req.include_usage, req.ignore_eos, req.stop) == (False, False, False, ())
+
+
+def test_valid_completion_all_fields() -> None:
+    req = parse_completion_request({
+        "model": "m", "prompt": [[5, 6, 7]], "max_tokens": 8.0, "temperature": 0,
+        "top_p": 0.5, "top_k": -1, "seed": 3, "stop": "END", "stream": True,
+        "stream_options": {"include_usage": True}, "n": 1, "ignore_eos": True})
+    assert req.prompt_token_ids == (5, 6, 7) and req.prompt is None
+    assert (req.max_tokens, req.temperature, req.top_k, req.seed) == (8, 0.0, 0, 3)
+    assert req.stop == ("END",) and req.stream and req.include_usage and req.ignore_eos
+
+
+def test_chat_parts_flatten_and_max_completion_tokens_wins() -> None:
+    req = parse_chat_request({
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "content": None}],
+        "max_tokens": 5, "max_completion_tokens": 9, "stop": ["x", "x", "y"]})
+    assert req.messages[1] == {"role": "user", "content": "a\nb"}
+    assert req.messages[2] == {"role": "assistant", "content": ""}
+    assert req.max_tokens == 9 and req.stop == ("x", "y")
+    assert parse_chat_request({"messages": MSG}).max_tokens is None  # fill the context
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return build_tiny_tokenizer()
+
+
+def test_context_length_error_names_both_numbers(tok: PreTrainedTokenizerFast) -> None:
+    req = parse_completion_request({"prompt": "the lazy dog", "max_tokens": 60})
+    ids = encode_prompt(req, tok)
+    with pytest.raises(ApiError) as info:
+        build_sampling_params(req, len(ids), 64, [0])
+    err = info.value
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert str(len(ids)) in err.message and "60" in err.message and "64" in err.message
+    params = build_sampling_params(req, len(ids), len(ids) + 60, [0])
+    assert params.max_tokens == 60 and params.stop_token_ids == (0,)
+
+
+def test_prompt_longer_than_context_is_rejected_for_chat(tok: PreTrainedTokenizerFast) -> None:
+    req = parse_chat_request({"messages": MSG})
+    ids = encode_prompt(req, tok)
+    with pytest.raises(ApiError, match=f"{len(ids)} tokens"):
+        build_sampling_params(req, len(ids), len(ids), [0])
+    # Default chat budget: whatever is left of the context.
+    assert build_sampling_params(req, len(ids), 100, [0]).max_tokens == 100 - len(ids)
+
+
+def test_chat_template_is_applied_with_generation_prompt(tok: PreTrainedTokenizerFast) -> None:
+    ids = encode_prompt(parse_chat_request({"messages": MSG}), tok)
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    req = parse_completion_request({"prompt": "x", "temperature": 1e-9})
+    assert build_sampling_params(req, 1, 64, [0]).temperature == 0.0
+
+
+def test_ignore_eos_passes_no_stop_token_ids(tok: PreTrainedTokenizerFast) -> None:
+    req = parse_completion_request({"prompt": "x", "ignore_eos": True, "temperature": 0})
+    params = build_sampling_params(req, 1, 64, [0, 2])
+    assert params.ignore_eos and params.stop_token_ids == () and params.greedy
+
+
+def test_token_id_prompt_out_of_vocab(tok: PreTrainedTokenizerFast) -> None:
+    req = parse_completion_request({"prompt": [1, len(tok)]})
+    with pytest.raises(ApiError, match="out of range") as info:
+        encode_prompt(req, tok)
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_missing_chat_template_is_a_400() -> None:
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(ApiError, match="no chat template") as info:
+        encode_prompt(parse_chat_request({"messages": MSG}), tok)
+    assert info.value.status == 400
+
+
+def test_template_exception_is_a_400() -> None:
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ApiError, match="roles must alternate") as info:
+        encode_prompt(parse_chat_request({"messages": MSG}), tok)
+    assert info.value.status == 400

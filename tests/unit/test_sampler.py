@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from serve.sampler import Sampler, make_generator
+from serve.types import SamplingParams
+
+
+def rows(params: SamplingParams, n: int) -> list[tuple[SamplingParams, torch.Generator | None]]:
+    gen = make_generator(params)
+    return [(params, gen)] * n
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.0)
+    assert Sampler()(logits, rows(params, 6)) == logits.argmax(-1).tolist()
+    assert make_generator(params) is None
+
+
+def test_top_k_one_is_argmax_at_any_temperature() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.5, top_k=1, seed=3)
+    assert Sampler()(logits, rows(params, 6)) == logits.argmax(-1).tolist()
+
+
+def test_tiny_top_p_is_argmax() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=1.0, top_p=1e-6, seed=4)
+    assert Sampler()(logits, rows(params, 8)) == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_samples_and_different_seeds_differ() -> None:
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(3))  # a "stream"
+    sampler = Sampler()
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+        gen = make_generator(params)
+        # One row per step, as a request sees it over 64 decode steps.
+        return [sampler(logits[i : i + 1], [(params, gen)])[0] for i in range(64)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_unseeded_requests_draw_from_fresh_streams() -> None:
+    logits = torch.zeros(64, 1000)
+    params = SamplingParams(temperature=1.0)
+    a = Sampler()(logits, rows(params, 64))
+    b = Sampler()(logits, rows(params, 64))
+    assert a != b
+
+
+def test_a_row_does_not_depend_on_its_batch() -> None:
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4))
+    mixed = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=2),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.5, seed=4),
+    ]
+    batched = Sampler()(logits, [(p, make_generator(p)) for p in mixed])
+    alone = [Sampler()(logits[i : i + 1], [(p, make_generator(p))])[0] for i, p in enumerate(mixed)]
+    assert batched == alone
+    assert batched[0] == logits[0].argmax().item()
+
+
+def test_top_k_never_picks_outside_the_top_k() -> None:
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=2.0, top_k=4, seed=6)
+    picks = set(Sampler()(logits.expand(2000, -1), rows(params, 2000)))
+    assert picks == set(logits[0].topk(4).indices.tolist())
+
+
+def test_sampling_follows_the_softmax() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    n = 20_000
+    params = SamplingParams(temperature=1.0, seed=7)
+    counts = Counter(Sampler()(logits.expand(n, -1), rows(params, n)))
+    freq = torch.tensor([counts[i] / n for i in range(4)])
+    assert torch.allclose(freq, logits.softmax(-1)[0], atol=0.015)
+
+
+def test_temperature_sharpens() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    n = 5000
+    params = SamplingParams(temperature=0.25, seed=8)
+    counts = Counter(Sampler()(logits.expand(n, -1), rows(params, n)))
+    assert counts[2] / n == pytest.approx((logits / 0.25).softmax(-1)[0, 2].item(), abs=0.02)
+    assert counts[2] / n > 0.95
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_renormalises() -> None:
+    # probabilities 0.5, 0.3, 0.2: top_p 0.6 keeps the first two, in ratio 5:3
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    n = 20_000
+    params = SamplingParams(temperature=1.0, top_p=0.6, seed=9)
+    counts = Counter(Sampler()(logits.expand(n, -1), rows(params, n)))
+    assert set(counts) == {0, 1}
+    assert counts[0] / n == pytest.approx(5 / 8, abs=0.015)
+    params = SamplingParams(temperature=1.0, top_p=0.5, seed=9)
+    assert set(Sampler()(logits.expand(1000, -1), rows(params, 1000))) == {0}
+
+
+def test_masked_tokens_are_never_picked() -> None:
+    logits = torch.full((1, 10), float("-inf"))
+    logits[0, 3] = 0.0
+    logits[0, 7] = 0.0
+    params = SamplingParams(temperature=1.0, seed=10)
+    assert set(Sampler()(logits.expand(500, -1), rows(params, 500))) == {3, 7}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_logits(dtype: torch.dtype) -> None:
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(11)).to(dtype)
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler()(logits, rows(greedy, 4)) == logits.float().argmax(-1).tolist()
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=12)
+    out = Sampler()(logits, rows(params, 4))
+    assert all(isinstance(t, int) and 0 <= t < 64 for t in out)
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(2, 5), rows(SamplingParams(), 3))
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(5), rows(SamplingParams(), 5))
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(top_k=-1)]
+)
+def test_invalid_params_are_rejected_by_sampling_params(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_large_and_negative_seeds_are_accepted() -> None:
+    for seed in (2**70, -5):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        assert make_generator(params) is not None
