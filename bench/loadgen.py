@@ -147,7 +147,9 @@ async def _one_request(
 
 
 async def run_load_async(spec: LoadSpec) -> tuple[list[RequestResult], LoadSummary]:
-    connector = aiohttp.TCPConnector(limit=spec.concurrency)
+    # A fresh connection per request: some servers (llama-server's httplib) close a streamed
+    # response's connection, and a reused keep-alive socket then fails as "disconnected".
+    connector = aiohttp.TCPConnector(limit=spec.concurrency, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         model = spec.model or await fetch_model_id(session, spec.base_url)
         results: list[RequestResult] = []

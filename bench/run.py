@@ -78,9 +78,7 @@ def versions(hf_dir: Path) -> dict[str, str]:
 
 def build_engine(run: Run, hf_dir: Path, tp: int) -> Path:
     """`pipeline build` prints the engine directory last; a second build is a cache hit."""
-    exe = common.REPO / ".venv" / "bin" / "pipeline"
-    base = [str(exe)] if exe.exists() else [str(common.VENV_PYTHON), "-m", "pipeline.cli"]
-    out = run.sh([*base, "build", str(hf_dir), "--tp", str(tp), "--dtype", "bfloat16"])
+    out = run.sh([str(common.VENV_PYTHON), "-m", "pipeline", "build", str(hf_dir), "--tp", str(tp), "--dtype", "bfloat16"])
     return Path(out.strip().splitlines()[-1].strip())
 
 
@@ -101,8 +99,15 @@ def measure_system(
             entry["bars"] = phases.gate_bars(rep, running.ready_s)
             entry["load"] = phases.load_figures(rep)
         entry["study"] = phases.warmup_study(running, wl, tok)
+        n = wl.study_first + wl.study_steady
+        run.command(f"# in process: bench.loadgen {spec.base_url} -c 1 -n {n} "
+                    f"--max-tokens {wl.study_max_tokens} (warmup study)")  # fmt: skip
         if sweep:
             entry["sweep"] = phases.sweep(running, wl, tok)
+            levels = " ".join(f"-c {c} -n {k}" for c, k in zip(wl.levels, wl.requests_per_level, strict=True))
+            run.command(f"# in process: bench.loadgen {spec.base_url} -c 16 -n "
+                        f"{wl.warm_requests} --max-tokens 16 (warm pass), then {levels} "
+                        f"--max-tokens {wl.max_tokens}")  # fmt: skip
     return entry
 
 
@@ -182,6 +187,9 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
     engine_files = _engine_files(plan)
     print("floors", flush=True)
     run.res["floors"] = floors.measure_all(args.quick, engine_files, hf_dir)
+    files = " ".join(str(f) for f in engine_files)
+    run.command(f"# in process: bench.floors {'--quick ' if args.quick else ''}"
+                f"--files {files} --model {hf_dir}")  # fmt: skip
     if not engine_files:
         run.note("no engine of ours to read: the storage-read floor was not measured")
     print("transformers generate", flush=True)
@@ -189,6 +197,8 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
         hf_dir, (1, 4) if args.quick else (1, 4, 16), ("bfloat16",), wl.prompt_len, wl.max_tokens
     )
     run.res["hf_baseline"] = [asdict(b) for b in base]
+    run.command(f"# in process: bench.hf_baseline --hf-dir {hf_dir} --dtypes bfloat16 "
+                f"--batches {' '.join(str(b.batch) for b in base)} --new-tokens {wl.max_tokens}")  # fmt: skip
     cold = not args.warm_start
     if cold and not floors.drop_page_cache():
         run.note("page cache cannot be dropped here: cold starts and storage reads are warm")

@@ -7,6 +7,7 @@ becomes the engine only by an atomic rename at the very end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -113,9 +114,10 @@ def _read_hf_config(local_dir: Path) -> dict:
         ) from e
 
 
-def estimate_engine_bytes(local_dir: Path, dtype: str) -> int:
-    """Bytes the engine will take: every weight cast to ``dtype``, plus slack for the rest
-    (tokenizer, KV heads replicated across ranks, compiled packages)."""
+def estimate_engine_bytes(local_dir: Path, dtype: str, backend: str = "eager", tp: int = 1) -> int:
+    """Bytes the engine will take, erring high: every weight cast to ``dtype`` plus 30% (a tied
+    embedding stored twice, KV heads replicated across ranks), the tokenizer, and room for
+    each rank's compiled package."""
     weights = 0
     other = 0
     for p in checkpoint_files(local_dir):
@@ -135,7 +137,8 @@ def estimate_engine_bytes(local_dir: Path, dtype: str) -> int:
             weights += numel * (
                 _DTYPE_BYTES[dtype] if float_like else _ST_DTYPE_BYTES.get(t["dtype"], 4)
             )
-    return int(weights * 1.1) + other + (16 << 20)
+    packages = (64 << 20) * tp if backend == "aoti" else 0
+    return int(weights * 1.3) + other + packages + (16 << 20)
 
 
 def _copy_extras(src: Path, dst: Path) -> list[str]:
@@ -168,6 +171,10 @@ def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
 
 def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
     target = detect_target(cfg.target)
+    if cfg.backend == "eager" and target.device == "cpu":
+        # Eager shards are plain tensors: no ISA is baked in, so record none and let the
+        # engine (and its id) be the same whichever x86 host built it.
+        target = dataclasses.replace(target, isa="baseline")
     _check_backend(cfg)
     with clock("resolve"), progress.stage("resolve"):
         src = resolve(cfg.model, cache_root(), progress)
@@ -201,7 +208,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
         progress.message(f"cache hit: engine {eid} already built at {existing}")
         return BuildResult(existing, eid, src.name, True, clock.stages, manifest, manifest.files)
 
-    need = estimate_engine_bytes(src.local_dir, cfg.dtype)
+    need = estimate_engine_bytes(src.local_dir, cfg.dtype, cfg.backend, cfg.tp)
     with store.staging(src.name, eid, need_bytes=need) as tmp:
         with clock("convert"):
             from pipeline.convert import convert_checkpoint

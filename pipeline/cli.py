@@ -43,13 +43,33 @@ def build_parser() -> argparse.ArgumentParser:
         "model", metavar="MODEL", help="checkpoint dir, hf://org/name@revision, or a .gguf file"
     )
     b.add_argument("--tp", type=int, required=True, help="tensor-parallel size (number of ranks)")
-    b.add_argument("--backend", choices=[x for x in BACKENDS], default="aoti")
-    b.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    b.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: %(default)s")
+    b.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default: %(default)s")
     b.add_argument("--target", default="auto", help="auto | cpu | cuda | sm_XX (default: auto)")
-    b.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size)
-    b.add_argument("--max-num-tokens", type=int, default=_DEFAULTS.max_num_tokens)
-    b.add_argument("--max-seq-len", type=int, default=_DEFAULTS.max_seq_len)
-    b.add_argument("--tokens-per-block", type=int, default=_DEFAULTS.tokens_per_block)
+    b.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=_DEFAULTS.max_batch_size,
+        help="most sequences in one step (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-num-tokens",
+        type=int,
+        default=_DEFAULTS.max_num_tokens,
+        help="token budget of one step (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=_DEFAULTS.max_seq_len,
+        help="prompt + generated tokens of one sequence (default: %(default)s)",
+    )
+    b.add_argument(
+        "--tokens-per-block",
+        type=int,
+        default=_DEFAULTS.tokens_per_block,
+        help="KV cache block size (default: %(default)s)",
+    )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
     b.set_defaults(func=cmd_build)
 
@@ -214,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except BuildError as e:
+        if args.debug:  # the library error behind the message, for whoever reports it
+            traceback.print_exc()
         print(e, file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -102,7 +102,7 @@ def _run_local(engine_dir: Path, backend: str, dtype: str, block_size: int) -> d
     from serve.engine import worker_loop
     from serve.executors.torch import runner_from_engine
 
-    comm = Comm()
+    comm = Comm.from_mpi()
     comm.init_process_group("gloo")
     tp = TPContext(comm.rank, comm.size)
     blocks = (64 + GOLDEN_STEPS) // block_size + 2

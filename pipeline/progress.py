@@ -32,7 +32,8 @@ def format_bytes(n: float) -> str:
 def _format_amount(n: float, unit: str) -> str:
     if unit == "B":
         return format_bytes(n)
-    return f"{n:g} {unit}".rstrip()
+    text = f"{n:.0f}" if n == int(n) or n >= 100 else f"{n:.1f}"
+    return f"{text} {unit}".rstrip()
 
 
 class Stage:

@@ -61,4 +61,23 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models = {k: make_tiny_checkpoint(root / k, k) for k in ("llama", "mistral", "qwen2")}
     # One KV head: at TP=2 it is replicated on both ranks instead of split.
     models["llama_kv1"] = make_tiny_checkpoint(root / "llama_kv1", "llama", seed=3, num_key_value_heads=1)
+    # Three KV heads (as SmolLM2): at TP=2 a zero KV head and its query group are appended.
+    models["llama_kv3"] = make_tiny_checkpoint(
+        root / "llama_kv3", "llama", seed=4, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     return models
+
+
+def make_served_checkpoint(out: Path, kind: str = "llama", seed: int = 0) -> Path:
+    """A tiny random model with a real tokenizer (trained offline) and chat template."""
+    from tests.unit.test_detok import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    vocab = len(tok) + len(tok) % 2  # even, so TP=2 splits the vocabulary
+    make_tiny_checkpoint(out, kind, seed=seed, vocab_size=vocab, max_position_embeddings=1024)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_served_checkpoint(tmp_path_factory.mktemp("served") / "tiny-chat")

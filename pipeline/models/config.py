@@ -99,23 +99,33 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def tp_heads(self, tp: int) -> tuple[int, int]:
+        """(query heads, KV heads) over all ranks once laid out for `tp` ranks.
+
+        KV heads split evenly when tp divides them and replicate when they divide tp.
+        Otherwise (SmolLM2's 3 KV heads at TP=2) zero heads are appended: a dummy KV head
+        with its query group, whose zero query and output-projection weights contribute
+        exactly nothing, so every rank holds the same shapes and runs the same program.
+        """
+        q, kv = self.num_attention_heads, self.num_key_value_heads
+        if q % tp == 0 and (kv % tp == 0 or tp % kv == 0):
+            return q, kv
+        padded_kv = -(-kv // tp) * tp
+        return padded_kv * (q // kv), padded_kv
+
     def check_tp(self, tp: int) -> None:
         """Raise BuildError if this model cannot be split `tp` ways."""
-        for what, n in (
-            ("attention heads", self.num_attention_heads),
-            ("vocabulary size", self.vocab_size),
-            ("intermediate size", self.intermediate_size),
-        ):
+        if tp > self.num_attention_heads:
+            raise BuildError(
+                f"--tp {tp} exceeds the {self.num_attention_heads} attention heads",
+                f"choose a --tp of at most {self.num_attention_heads}",
+            )
+        for what, n in (("vocabulary size", self.vocab_size), ("intermediate size", self.intermediate_size)):
             if n % tp:
                 raise BuildError(
                     f"--tp {tp} does not divide the {what} ({n})",
                     f"choose a --tp that divides {n}",
                 )
-        if self.num_key_value_heads % tp and tp % self.num_key_value_heads:
-            raise BuildError(
-                f"--tp {tp} and the {self.num_key_value_heads} KV heads do not divide each other",
-                "choose a --tp that divides the KV heads or is a multiple of them",
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -27,7 +27,8 @@ from pipeline.models.rope import apply_rope, inv_frequencies
 
 def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """(query heads, KV heads) held by one rank; KV heads replicate when fewer than ranks."""
-    return cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp)
+    q, kv = cfg.tp_heads(tp)
+    return q // tp, max(1, kv // tp)
 
 
 class Attention(nn.Module):

@@ -8,7 +8,9 @@ kinds:
   column        split dim 0 (output rows) evenly
   row           split dim 1 (input columns) evenly
   vocab         split dim 0 by vocabulary slice (embedding, LM head)
-  qkv           q rows by query head, k/v rows by KV head (replicated when KV heads < TP)
+  qkv           q rows by query head, k/v rows by KV head (replicated when KV heads < TP;
+                zero heads appended when neither divides the other, see ModelConfig.tp_heads)
+  o_proj        row, after appending zero input columns for those appended query heads
   merged        gate and up each split dim 0, then concatenated
 """
 
@@ -44,7 +46,7 @@ LAYER_RULES: tuple[ShardRule, ...] = (
         "qkv",
         optional=True,
     ),
-    ShardRule("layers.{i}.self_attn.o_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
+    ShardRule("layers.{i}.self_attn.o_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "o_proj"),
     ShardRule(
         "layers.{i}.post_attention_layernorm.weight",
         ("model.layers.{i}.post_attention_layernorm.weight",),
@@ -83,8 +85,8 @@ def rules_for(cfg: ModelConfig) -> list[ShardRule]:
 
 
 def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
-    """[start, end) of the KV heads rank `rank` holds."""
-    hk = cfg.num_key_value_heads
+    """[start, end) of the (padded) KV heads rank `rank` holds."""
+    _, hk = cfg.tp_heads(tp)
     if tp <= hk:
         per = hk // tp
         return rank * per, (rank + 1) * per
@@ -94,6 +96,16 @@ def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
 
 def _split(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=dim)[rank]
+
+
+def _pad_rows(t: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """Append zeros along `dim` up to `rows` (no copy when nothing is missing)."""
+    missing = rows - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat((t, t.new_zeros(shape)), dim=dim)
 
 
 def shard_tensor(
@@ -108,10 +120,16 @@ def shard_tensor(
         return _split(tensors[0], 1, tp, rank)
     if rule.kind == "merged":
         return torch.cat([_split(t, 0, tp, rank) for t in tensors], dim=0)
+    if rule.kind == "o_proj":
+        q_heads, _ = cfg.tp_heads(tp)
+        return _split(_pad_rows(tensors[0], q_heads * cfg.head_dim, dim=1), 1, tp, rank)
     if rule.kind == "qkv":
-        q, k, v = tensors
         d = cfg.head_dim
-        q_local = cfg.num_attention_heads // tp
+        q_heads, kv_heads = cfg.tp_heads(tp)
+        q, k, v = tensors
+        if kv_heads != cfg.num_key_value_heads:
+            q, k, v = _pad_rows(q, q_heads * d), _pad_rows(k, kv_heads * d), _pad_rows(v, kv_heads * d)
+        q_local = q_heads // tp
         lo, hi = kv_head_range(cfg, tp, rank)
         return torch.cat(
             (q[rank * q_local * d : (rank + 1) * q_local * d], k[lo * d : hi * d], v[lo * d : hi * d]),

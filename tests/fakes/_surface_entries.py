@@ -21,6 +21,9 @@ class Entry:
     note: str = ""
 
 
+# fmt: off  (a table: one entry per documented name, kept dense on purpose)
+
+
 def _f(*names: str) -> tuple[str, ...]:
     return names
 
@@ -69,6 +72,8 @@ _CHECKPOINT = [
     Entry(f"{M}.PretrainedConfig.from_json_file", "classmethod", sig="config_file", ref="-",
           documented=False),
     Entry(f"{M}.PretrainedConfig.to_dict", "method", sig="", ref="-", documented=False),
+    Entry(f"{M}.PretrainedConfig.from_dict", "classmethod", sig="d, rank=0", ref="-",
+          documented=False),
 ]
 
 _BUILD = [
@@ -114,3 +119,134 @@ _ENUMS = [
     Entry(f"{X}.FinishReason", "enum", ref="§2.1", members=_f(
         "NOT_FINISHED", "END_ID", "STOP_WORDS", "LENGTH", "TIMED_OUT", "CANCELLED")),
 ]
+
+_CONFIGS = [
+    Entry(f"{X}.ExecutorConfig", "class", ref="§2.1",
+          sig="*, max_beam_width=1, scheduler_config=SchedulerConfig(), "
+          "kv_cache_config=KvCacheConfig(), enable_chunked_context=False, "
+          "normalize_log_probs=True, iter_stats_max_iterations=1000, "
+          "request_stats_max_iterations=0, batching_type=BatchingType.INFLIGHT, "
+          "max_batch_size=None, max_num_tokens=None, parallel_config=None, "
+          "peft_cache_config=None, logits_post_processor_config=None, decoding_config=None, "
+          "gpu_weights_percent=1.0, max_queue_size=None, "
+          "extended_runtime_perf_knob_config=ExtendedRuntimePerfKnobConfig(), "
+          "debug_config=None, recv_poll_period_ms=0, max_seq_idle_microseconds=None, "
+          "spec_dec_config=None, guided_decoding_config=None, additional_model_outputs=None, "
+          "cache_transceiver_config=None, gather_generation_logits=False",
+          note="keyword-only in the fake: the reference lists keyword defaults, not an order; "
+          "attributes settable after construction; None defaults where the reference gives "
+          "none"),
+    Entry(f"{X}.SchedulerConfig", "class", ref="§2.1",
+          sig="capacity_scheduler_policy=CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "
+          "context_chunking_policy=None, dynamic_batch_config=None"),
+    Entry(f"{X}.KvCacheConfig", "class", ref="§2.1",
+          sig="enable_block_reuse=True, max_tokens=None, max_attention_window=None, "
+          "sink_token_length=None, free_gpu_memory_fraction=None, host_cache_size=None, "
+          "onboard_blocks=True, cross_kv_cache_fraction=None, "
+          "secondary_offload_min_priority=None, event_buffer_max_size=0, *, "
+          "enable_partial_reuse=True, copy_on_partial_reuse=True, use_uvm=False, "
+          "runtime_defaults=None"),
+    Entry(f"{X}.ParallelConfig", "class", ref="§2.1",
+          sig="communication_type=CommunicationType.MPI, "
+          "communication_mode=CommunicationMode.LEADER, device_ids=None, participant_ids=None, "
+          "orchestrator_config=None, num_nodes=None",
+          note="the fake implements LEADER without participant_ids only"),
+    Entry(f"{X}.OrchestratorConfig", "class", ref="§2.1",
+          sig="is_orchestrator=True, worker_executable_path='', orch_leader_comm=None, "
+          "spawn_processes=True", note="ORCHESTRATOR mode is not faked"),
+    Entry(f"{X}.ExtendedRuntimePerfKnobConfig", "class", ref="§2.1", documented=False,
+          sig="multi_block_mode=True, cuda_graph_mode=False, cuda_graph_cache_size=0",
+          note="the reference gives the fields, not the class name"),
+]
+
+_REQUESTS = [
+    Entry(f"{X}.Request", "class", ref="§2.1", open=True,
+          sig="input_token_ids, max_tokens, *, streaming=False, "
+          "sampling_config=SamplingConfig(), output_config=OutputConfig(), end_id=None, "
+          "pad_id=None, position_ids=None, bad_words=None, stop_words=None, client_id=None, "
+          "return_all_generated_tokens=False, priority=0.5, num_return_sequences=1, "
+          "guided_decoding_params=None, allotted_time_ms=None",
+          note="no max_new_tokens; stop_words/bad_words are lists of token-id lists"),
+    Entry(f"{X}.SamplingConfig", "class", ref="§2.1", open=True,
+          sig="beam_width=1, *, top_k=None, top_p=None, temperature=None, min_tokens=None, "
+          "repetition_penalty=None, presence_penalty=None, frequency_penalty=None, "
+          "length_penalty=None, seed=None, num_return_sequences=None, min_p=None",
+          note="keyword defaults (None) not given in the reference"),
+    Entry(f"{X}.OutputConfig", "class", ref="§2.1",
+          sig="return_log_probs=False, return_context_logits=False, "
+          "return_generation_logits=False, exclude_input_from_output=False, "
+          "return_encoder_output=False, return_perf_metrics=False, "
+          "additional_model_outputs=None",
+          note="only exclude_input_from_output's default is given"),
+    Entry(f"{X}.Response", "class", ref="§2.1",
+          members=_f("request_id", "client_id", "error_msg", "result")),
+    Entry(f"{X}.Response.has_error", "method", sig="", ref="§2.1"),
+    Entry(f"{X}.Result", "class", ref="§2.1", members=_f(
+        "is_final", "output_token_ids", "cum_log_probs", "log_probs", "context_logits",
+        "generation_logits", "finish_reasons", "sequence_index", "is_sequence_final",
+        "decoding_iter", "request_perf_metrics", "additional_outputs")),
+    Entry(f"{X}.IterationStats", "class", ref="§2.1", members=_f(
+        "timestamp", "iter", "iter_latency_ms", "new_active_requests_queue_latency_ms",
+        "num_new_active_requests", "num_active_requests", "num_queued_requests",
+        "num_completed_requests", "max_num_active_requests", "gpu_mem_usage", "cpu_mem_usage",
+        "pinned_mem_usage", "kv_cache_stats", "cross_kv_cache_stats",
+        "inflight_batching_stats", "specdec_stats")),
+    Entry(f"{X}.IterationStats.to_json_str", "method", sig="", ref="§2.1"),
+    Entry(f"{X}.KvCacheStats", "class", ref="§2.1", members=_f(
+        "max_num_blocks", "free_num_blocks", "used_num_blocks", "tokens_per_block",
+        "alloc_total_blocks", "alloc_new_blocks", "reused_blocks", "missed_blocks",
+        "cache_hit_rate")),
+    Entry(f"{X}.InflightBatchingStats", "class", ref="§2.1", members=_f(
+        "num_scheduled_requests", "num_context_requests", "num_gen_requests",
+        "num_paused_requests", "num_ctx_tokens", "micro_batch_id",
+        "avg_num_decoded_tokens_per_iter")),
+]
+
+E = f"{X}.Executor"
+_EXECUTOR = [
+    Entry(E, "class", sig="model_path, model_type, executor_config", ref="§2.1",
+          note="the (encoder_path, decoder_path, …) and (engine_buffer, json_config_str, …) "
+          "overloads are not faked"),
+    Entry(f"{E}.enqueue_request", "method", sig="request, /", ref="§2.1"),
+    Entry(f"{E}.enqueue_requests", "method", sig="requests, /", ref="§2.1"),
+    Entry(f"{E}.await_responses", "method", ref="§2.1",
+          overloads=("timeout=None", "id, /, timeout=None", "ids, /, timeout=None"),
+          note="timeout is a datetime.timedelta; the ids form returns one list per id"),
+    Entry(f"{E}.get_num_responses_ready", "method", sig="id=None", ref="§2.1"),
+    Entry(f"{E}.cancel_request", "method", sig="id, /", ref="§2.1"),
+    Entry(f"{E}.get_latest_iteration_stats", "method", sig="", ref="§2.1"),
+    Entry(f"{E}.get_latest_request_stats", "method", sig="", ref="§2.1"),
+    Entry(f"{E}.get_latest_debug_tensors", "method", sig="", ref="§2.1"),
+    Entry(f"{E}.can_enqueue_requests", "method", sig="", ref="§2.1"),
+    Entry(f"{E}.shutdown", "method", sig="", ref="§2.1, §2.2"),
+    Entry(f"{E}.get_kv_cache_event_manager", "method", sig="", ref="§2.1"),
+    Entry(f"{E}.__enter__", "method", ref="§2.1"),
+    Entry(f"{E}.__exit__", "method", ref="§2.1"),
+]
+
+_NOT_FAKED = [
+    Entry(f"{T}.LLM", "class", ref="§2.3", faked=False, note="PyTorch-backend LLM API"),
+    Entry(f"{T}._tensorrt_engine.LLM", "class", ref="§2.3", faked=False),
+    Entry(f"{T}.runtime.ModelRunnerCpp.from_dir", "classmethod", ref="§2.3", faked=False,
+          open=True, sig="engine_dir, *, rank, max_batch_size, max_input_len, max_output_len, "
+          "max_beam_width, kv_cache_free_gpu_memory_fraction, max_tokens_in_paged_kv_cache, "
+          "kv_cache_enable_block_reuse=False, enable_chunked_context=False, cuda_graph_mode, "
+          "device_ids, is_orchestrator_mode=False, gather_generation_logits"),
+    Entry(f"{T}._deprecation.emit_engine_arch_deprecation", "function", sig="", ref="§0",
+          faked=False, note="first release shipping it unconfirmed"),
+]
+
+ENTRIES: tuple[Entry, ...] = (
+    *_TOP, *_CHECKPOINT, *_BUILD, *_ENUMS, *_CONFIGS, *_REQUESTS, *_EXECUTOR, *_NOT_FAKED
+)
+
+# trtllm-build flags the reference documents (§1.2); LoRA and speculative flags are not.
+TRTLLM_BUILD_FLAGS: tuple[str, ...] = (
+    "--checkpoint_dir", "--model_config", "--output_dir", "--max_batch_size", "--max_input_len",
+    "--max_beam_width", "--max_num_tokens", "--max_seq_len", "--max_decoder_seq_len",
+    "--opt_num_tokens", "--kv_cache_type", "--paged_kv_cache", "--workers", "--gemm_plugin",
+    "--gpt_attention_plugin", "--context_fmha", "--remove_input_padding",
+    "--use_paged_context_fmha", "--multiple_profiles", "--tokens_per_block", "--reduce_fusion",
+    "--use_fused_mlp", "--nccl_plugin", "--strip_plan", "--weight_streaming", "--fast_build",
+    "--input_timing_cache", "--output_timing_cache", "--log_level", "--dry_run",
+)

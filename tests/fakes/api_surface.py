@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import ast
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
-from _surface_entries import ENTRIES, TRTLLM_BUILD_FLAGS
+from _surface_entries import ENTRIES, TRTLLM_BUILD_FLAGS, Entry
 
 __all__ = [
     "ENTRIES", "TRTLLM_BUILD_FLAGS", "Entry", "SurfaceError", "check_call", "check_call_shape",
@@ -32,21 +31,6 @@ __all__ = [
 
 class SurfaceError(TypeError):
     """A call or an object that does not match the reference."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str  # fully qualified: module path + attribute path
-    kind: str  # class | function | method | classmethod | enum | fields | value | alias
-    sig: str | None = None  # parameters (no self/cls); None: not checked / not callable
-    overloads: tuple[str, ...] = ()  # alternative parameter lists (nanobind overloads)
-    members: tuple[str, ...] = ()  # enum values / field names
-    target: str = ""  # for an alias: the entry it names
-    ref: str = ""  # section of the reference
-    documented: bool = True
-    faked: bool = True
-    open: bool = False
-    note: str = ""
 
 
 def _build_index() -> dict[str, Entry]:
@@ -106,8 +90,9 @@ def parse_sig(params: str) -> inspect.Signature:
     if a.vararg:
         out.append(P(a.vararg.arg, P.VAR_POSITIONAL))
     for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
-        out.append(P(arg.arg, P.KEYWORD_ONLY,
-                     default=P.empty if d is None else _Default(ast.unparse(d))))
+        out.append(
+            P(arg.arg, P.KEYWORD_ONLY, default=P.empty if d is None else _Default(ast.unparse(d)))
+        )
     if a.kwarg:
         out.append(P(a.kwarg.arg, P.VAR_KEYWORD))
     return inspect.Signature(out)
@@ -130,8 +115,9 @@ def check_call(name: str, *args: Any, **kwargs: Any) -> inspect.Signature:
     )
 
 
-def check_call_shape(name: str, n_positional: int = 0, keywords: tuple[str, ...] = ()
-                     ) -> inspect.Signature:
+def check_call_shape(
+    name: str, n_positional: int = 0, keywords: tuple[str, ...] = ()
+) -> inspect.Signature:
     """Like check_call for a call seen in source code: how many positional arguments, which
     keyword names (e.g. from an ast.Call of adapter code)."""
     return check_call(name, *([None] * n_positional), **dict.fromkeys(keywords))
@@ -141,4 +127,4 @@ def check_fake() -> list[str]:
     """Problems where the importable `tensorrt_llm` (the fake) differs from this list."""
     from _surface_compare import compare_all
 
-    return compare_all(ENTRIES, entry)
+    return compare_all(ENTRIES, parse_sig)

@@ -27,7 +27,7 @@ PROMPTS = ([1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1])
 def main() -> None:
     out_path, specs = Path(sys.argv[1]), dict(a.split("=", 1) for a in sys.argv[2:])
     torch.set_num_threads(1)
-    comm = Comm()
+    comm = Comm.from_mpi()
     comm.init_process_group("gloo")
     tp = TPContext(comm.rank, comm.size)
     result: dict[str, object] = {"world": comm.size}

@@ -26,7 +26,7 @@ def tp2_result(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFa
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "llama_kv1"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "llama_kv1", "llama_kv3"])
 def test_tp2_logit_parity(tp2_result: dict, tiny_models: dict[str, Path], kind: str) -> None:
     assert tp2_result["world"] == 2
     a, b = PROMPTS
@@ -36,7 +36,7 @@ def test_tp2_logit_parity(tp2_result: dict, tiny_models: dict[str, Path], kind: 
         assert rel_err(row, last_logits(tiny_models[kind], toks)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_kv1"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_kv1", "llama_kv3"])
 def test_tp2_inflight_batching_matches_generate_alone(tp2_result: dict, tiny_models: dict[str, Path], kind: str) -> None:
     generated = tp2_result[kind]["generated"]
     for i, (_, prompt, mt) in enumerate(staggered_workload()):

@@ -18,6 +18,8 @@ from ._fake.engine_file import engine_bytes
 from .models.modeling_utils import PretrainedConfig, PretrainedModel
 from .plugin.plugin import PluginConfig
 
+__all__ = ["BuildConfig", "Engine", "EngineConfig", "build", "get_engine_version"]
+
 KV_CACHE_TYPES = ("CONTINUOUS", "PAGED", "DISABLED")
 INVALID_ENGINE_CONFIG = (
     "Invalid engine config found from {}, please use the corresponding version of trtllm-build "
@@ -61,8 +63,13 @@ class BuildConfig(BaseModel):
 
 
 class EngineConfig:
-    def __init__(self, pretrained_config: PretrainedConfig, build_config: BuildConfig,
-                 version: str) -> None:
+    pretrained_config: PretrainedConfig
+    build_config: BuildConfig
+    version: str
+
+    def __init__(
+        self, pretrained_config: PretrainedConfig, build_config: BuildConfig, version: str
+    ) -> None:
         self.pretrained_config = pretrained_config
         self.build_config = build_config
         self.version = version
@@ -76,6 +83,9 @@ class EngineConfig:
 
 
 class Engine:
+    config: EngineConfig
+    engine: bytes  # the serialized plan
+
     def __init__(self, config: EngineConfig, engine: bytes) -> None:
         self.config = config
         self.engine = engine
@@ -125,13 +135,18 @@ def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
     if bc.kv_cache_type is None:
         bc.kv_cache_type = "PAGED"
     m = pc.mapping
-    plan = engine_bytes({
-        "trtllm_version": env.trtllm_version(),
-        "tensorrt_version": env.tensorrt_version(),
-        "sm": env.device_sm(),
-        "rank": m.rank, "tp_size": m.tp_size, "pp_size": m.pp_size, "cp_size": m.cp_size,
-        "toy": model._toy.to_dict(),
-    })
+    plan = engine_bytes(
+        {
+            "trtllm_version": env.trtllm_version(),
+            "tensorrt_version": env.tensorrt_version(),
+            "sm": env.device_sm(),
+            "rank": m.rank,
+            "tp_size": m.tp_size,
+            "pp_size": m.pp_size,
+            "cp_size": m.cp_size,
+            "toy": model._toy.to_dict(),
+        }
+    )
     return Engine(EngineConfig(_copy_config(pc), bc, env.trtllm_version()), plan)
 
 

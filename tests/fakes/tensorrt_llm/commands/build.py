@@ -17,10 +17,24 @@ from ..builder import BuildConfig, build
 from ..models import MODEL_MAP, PretrainedConfig
 from ..plugin.plugin import PluginConfig
 
-_PLUGIN_DTYPE_CHOICES = ["auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4",
-                         "disable"]
-_BOOL_PLUGINS = ("context_fmha", "remove_input_padding", "use_paged_context_fmha",
-                 "multiple_profiles", "reduce_fusion", "use_fused_mlp")
+_PLUGIN_DTYPE_CHOICES = [
+    "auto",
+    "float16",
+    "float32",
+    "bfloat16",
+    "int32",
+    "fp8",
+    "nvfp4",
+    "disable",
+]
+_BOOL_PLUGINS = (
+    "context_fmha",
+    "remove_input_padding",
+    "use_paged_context_fmha",
+    "multiple_profiles",
+    "reduce_fusion",
+    "use_fused_mlp",
+)
 _PRECISION_PLUGINS = ("gemm_plugin", "gpt_attention_plugin", "nccl_plugin")
 
 
@@ -41,13 +55,19 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paged_kv_cache", choices=["enable", "disable"])
     p.add_argument("--workers", type=int, default=1)
     for name in _PRECISION_PLUGINS:
-        p.add_argument(f"--{name}", choices=_PLUGIN_DTYPE_CHOICES,
-                       default=_flag(PluginConfig.model_fields[name].default))
+        p.add_argument(
+            f"--{name}",
+            choices=_PLUGIN_DTYPE_CHOICES,
+            default=_flag(PluginConfig.model_fields[name].default),
+        )
     for name in _BOOL_PLUGINS:
         default = "enable" if PluginConfig.model_fields[name].default else "disable"
         p.add_argument(f"--{name}", choices=["enable", "disable"], default=default)
-    p.add_argument("--tokens_per_block", type=int,
-                   default=PluginConfig.model_fields["tokens_per_block"].default)
+    p.add_argument(
+        "--tokens_per_block",
+        type=int,
+        default=PluginConfig.model_fields["tokens_per_block"].default,
+    )
     p.add_argument("--strip_plan", action="store_true")
     p.add_argument("--weight_streaming", action="store_true")
     p.add_argument("--fast_build", action="store_true")
@@ -73,11 +93,17 @@ def build_config_from_args(args: argparse.Namespace) -> BuildConfig:
         tokens_per_block=args.tokens_per_block,
     )
     return BuildConfig(
-        max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
-        max_batch_size=args.max_batch_size, max_beam_width=args.max_beam_width,
-        max_num_tokens=args.max_num_tokens, opt_num_tokens=args.opt_num_tokens,
-        kv_cache_type=kv_type, plugin_config=plugin, input_timing_cache=args.input_timing_cache,
-        output_timing_cache=args.output_timing_cache, weight_streaming=args.weight_streaming,
+        max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len,
+        max_batch_size=args.max_batch_size,
+        max_beam_width=args.max_beam_width,
+        max_num_tokens=args.max_num_tokens,
+        opt_num_tokens=args.opt_num_tokens,
+        kv_cache_type=kv_type,
+        plugin_config=plugin,
+        input_timing_cache=args.input_timing_cache,
+        output_timing_cache=args.output_timing_cache,
+        weight_streaming=args.weight_streaming,
         use_strip_plan=args.strip_plan,
     )
 
@@ -100,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
             model = model_cls.from_checkpoint(args.checkpoint_dir, config=cfg)
         else:
             data = Path(args.model_config).read_bytes()
-            model = model_cls(cfg, ToyModel.from_digest(hashlib.sha256(data).digest(),
-                                                         int(cfg.vocab_size)))
+            model = model_cls(
+                cfg, ToyModel.from_digest(hashlib.sha256(data).digest(), int(cfg.vocab_size))
+            )
         engine = build(model, bc)
         if not args.dry_run:
             engine.save(args.output_dir)

@@ -15,24 +15,29 @@ _OPT_FLOAT = (float, None)
 
 @dataclass(slots=True)
 class SchedulerConfig(Typed):
-    TYPES = {"capacity_scheduler_policy": (CapacitySchedulerPolicy,)}  # noqa: RUF012
+    _TYPES = {"capacity_scheduler_policy": (CapacitySchedulerPolicy,)}  # noqa: RUF012
 
-    capacity_scheduler_policy: CapacitySchedulerPolicy = (
-        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
-    )
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
     context_chunking_policy: Any = None
     dynamic_batch_config: Any = None
 
 
 @dataclass(slots=True)
 class KvCacheConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "enable_block_reuse": (bool,), "max_tokens": _OPT_INT, "max_attention_window": (list, None),
-        "sink_token_length": _OPT_INT, "free_gpu_memory_fraction": _OPT_FLOAT,
-        "host_cache_size": _OPT_INT, "onboard_blocks": (bool,),
-        "cross_kv_cache_fraction": _OPT_FLOAT, "secondary_offload_min_priority": _OPT_INT,
-        "event_buffer_max_size": _INT, "enable_partial_reuse": (bool,),
-        "copy_on_partial_reuse": (bool,), "use_uvm": (bool,),
+    _TYPES = {  # noqa: RUF012
+        "enable_block_reuse": (bool,),
+        "max_tokens": _OPT_INT,
+        "max_attention_window": (list, None),
+        "sink_token_length": _OPT_INT,
+        "free_gpu_memory_fraction": _OPT_FLOAT,
+        "host_cache_size": _OPT_INT,
+        "onboard_blocks": (bool,),
+        "cross_kv_cache_fraction": _OPT_FLOAT,
+        "secondary_offload_min_priority": _OPT_INT,
+        "event_buffer_max_size": _INT,
+        "enable_partial_reuse": (bool,),
+        "copy_on_partial_reuse": (bool,),
+        "use_uvm": (bool,),
     }
 
     enable_block_reuse: bool = True
@@ -54,7 +59,7 @@ class KvCacheConfig(Typed):
 
 @dataclass(slots=True)
 class OrchestratorConfig(Typed):
-    TYPES = {"is_orchestrator": (bool,), "worker_executable_path": (str,)}  # noqa: RUF012
+    _TYPES = {"is_orchestrator": (bool,), "worker_executable_path": (str,)}  # noqa: RUF012
 
     is_orchestrator: bool = True
     worker_executable_path: str = ""
@@ -64,10 +69,13 @@ class OrchestratorConfig(Typed):
 
 @dataclass(slots=True)
 class ParallelConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "communication_type": (CommunicationType,), "communication_mode": (CommunicationMode,),
-        "device_ids": (list, None), "participant_ids": (list, None),
-        "orchestrator_config": (OrchestratorConfig, None), "num_nodes": _OPT_INT,
+    _TYPES = {  # noqa: RUF012
+        "communication_type": (CommunicationType,),
+        "communication_mode": (CommunicationMode,),
+        "device_ids": (list, None),
+        "participant_ids": (list, None),
+        "orchestrator_config": (OrchestratorConfig, None),
+        "num_nodes": _OPT_INT,
     }
 
     communication_type: CommunicationType = CommunicationType.MPI
@@ -80,8 +88,10 @@ class ParallelConfig(Typed):
 
 @dataclass(slots=True)
 class ExtendedRuntimePerfKnobConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "multi_block_mode": (bool,), "cuda_graph_mode": (bool,), "cuda_graph_cache_size": _INT,
+    _TYPES = {  # noqa: RUF012
+        "multi_block_mode": (bool,),
+        "cuda_graph_mode": (bool,),
+        "cuda_graph_cache_size": _INT,
     }
 
     multi_block_mode: bool = True
@@ -91,16 +101,23 @@ class ExtendedRuntimePerfKnobConfig(Typed):
 
 @dataclass(slots=True, kw_only=True)
 class ExecutorConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "max_beam_width": _INT, "scheduler_config": (SchedulerConfig,),
-        "kv_cache_config": (KvCacheConfig,), "enable_chunked_context": (bool,),
-        "normalize_log_probs": (bool,), "iter_stats_max_iterations": _INT,
-        "request_stats_max_iterations": _INT, "batching_type": (BatchingType,),
-        "max_batch_size": _OPT_INT, "max_num_tokens": _OPT_INT,
-        "parallel_config": (ParallelConfig, None), "gpu_weights_percent": (float,),
+    _TYPES = {  # noqa: RUF012
+        "max_beam_width": _INT,
+        "scheduler_config": (SchedulerConfig,),
+        "kv_cache_config": (KvCacheConfig,),
+        "enable_chunked_context": (bool,),
+        "normalize_log_probs": (bool,),
+        "iter_stats_max_iterations": _INT,
+        "request_stats_max_iterations": _INT,
+        "batching_type": (BatchingType,),
+        "max_batch_size": _OPT_INT,
+        "max_num_tokens": _OPT_INT,
+        "parallel_config": (ParallelConfig, None),
+        "gpu_weights_percent": (float,),
         "max_queue_size": _OPT_INT,
         "extended_runtime_perf_knob_config": (ExtendedRuntimePerfKnobConfig,),
-        "recv_poll_period_ms": _INT, "gather_generation_logits": (bool,),
+        "recv_poll_period_ms": _INT,
+        "gather_generation_logits": (bool,),
     }
 
     max_beam_width: int = 1

@@ -8,6 +8,7 @@ shutdown(), which blocks until the leader's shutdown() sends them a terminate me
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from ._enums import BatchingType, CommunicationMode, ModelType
 from ._load import LoadedEngine, kv_cache_blocks, load_engine
 from ._loop import Loop
 from ._request import Request
-from ._responses import await_responses, enqueue, resolve_await
+from ._responses import AWAIT_OVERLOADS, await_responses, enqueue, resolve_await
 from ._stats import IterationStats, RequestStatsPerIteration
 
 STATIC_BATCHING = (
@@ -30,8 +31,12 @@ LEADER_ONLY = "With LEADER communication mode, only leader rank is expected to c
 
 
 class Executor:
-    def __init__(self, model_path: str | os.PathLike[str], model_type: ModelType,
-                 executor_config: ExecutorConfig) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        model_type: ModelType,
+        executor_config: ExecutorConfig,
+    ) -> None:
         if isinstance(model_path, (bytes, bytearray)):
             raise NotImplementedError("the fake implements only the model_path overload")
         if not isinstance(model_path, (str, os.PathLike)):
@@ -52,20 +57,30 @@ class Executor:
         self._next_id = 1  # request ids start at 1
         loaded, error = self._try_load(Path(model_path), executor_config)
         # Construction is collective: all ranks agree on what they loaded, or all fail.
-        mine = (str(Path(model_path).resolve()), model_type.name, error)
+        mine = (
+            str(Path(model_path).resolve()),
+            model_type.name,
+            _fingerprint(executor_config),
+            error,
+        )
         views = mpi.agree(self._world, mine, env.collective_timeout_s())
-        errors = [v[2] for v in views if v[2] is not None]
+        errors = [v[-1] for v in views if v[-1] is not None]
         if errors:
-            raise RuntimeError(error or f"Executor construction failed on another rank: {errors[0]}")
-        if len({v[:2] for v in views}) != 1:
-            raise RuntimeError(f"fake TensorRT-LLM: ranks constructed the Executor with different "
-                               f"arguments: {[v[:2] for v in views]}")
+            raise RuntimeError(
+                error or f"Executor construction failed on another rank: {errors[0]}"
+            )
+        if len({v[:3] for v in views}) != 1:
+            raise RuntimeError(
+                f"fake TensorRT-LLM: ranks constructed the Executor with different "
+                f"arguments: {[v[:3] for v in views]}"
+            )
         assert loaded is not None
         if self._world.rank == self._leader:
             self._loop = self._start(*loaded, executor_config)
 
-    def _try_load(self, model_path: Path, cfg: ExecutorConfig
-                  ) -> tuple[tuple[LoadedEngine, int] | None, str | None]:
+    def _try_load(
+        self, model_path: Path, cfg: ExecutorConfig
+    ) -> tuple[tuple[LoadedEngine, int] | None, str | None]:
         try:
             eng = load_engine(model_path, self._world.rank, self._world.size)
             return (eng, kv_cache_blocks(eng, cfg.kv_cache_config)), None
@@ -74,18 +89,27 @@ class Executor:
 
     @staticmethod
     def _start(eng: LoadedEngine, blocks: int, cfg: ExecutorConfig) -> Loop:
+        # The executor keeps its own copy: later changes to the caller's config do nothing.
+        cfg = copy.copy(cfg)
+        cfg.scheduler_config = copy.copy(cfg.scheduler_config)
+        cfg.kv_cache_config = copy.copy(cfg.kv_cache_config)
         b = eng.build
         if cfg.enable_chunked_context and not b["plugin_config"]["use_paged_context_fmha"]:
-            env.log("WARNING", "Chunked context is not supported without paged context FMHA; "
-                    "disabling it (rebuild with --use_paged_context_fmha enable)")
+            env.log(
+                "WARNING",
+                "Chunked context is not supported without paged context FMHA; "
+                "disabling it (rebuild with --use_paged_context_fmha enable)",
+            )
             cfg.enable_chunked_context = False
         limits = {}
         for name in ("max_batch_size", "max_num_tokens"):
             asked = getattr(cfg, name)
             limits[name] = b[name] if asked is None else min(asked, b[name])
             if asked is not None and asked > b[name]:
-                env.log("WARNING", f"{name} ({asked}) is larger than the engine's ({b[name]}); "
-                        f"using {b[name]}")
+                env.log(
+                    "WARNING",
+                    f"{name} ({asked}) is larger than the engine's ({b[name]}); using {b[name]}",
+                )
         return Loop(eng, cfg, limits["max_batch_size"], limits["max_num_tokens"], blocks)
 
     # -- leader-only API ---------------------------------------------------------------
@@ -111,6 +135,8 @@ class Executor:
     def await_responses(self, *args: Any, **kwargs: Any) -> list[Any]:
         target, timeout = resolve_await(args, kwargs)
         return await_responses(self._leader_loop("awaitResponses"), target, timeout)
+
+    await_responses._overloads = AWAIT_OVERLOADS  # type: ignore[attr-defined]
 
     def get_num_responses_ready(self, id: int | None = None) -> int:
         loop = self._leader_loop("getNumResponsesReady")
@@ -172,6 +198,22 @@ class Executor:
             with loop.cond:
                 loop.hold -= 1
                 loop.cond.notify_all()
+
+
+def _fingerprint(cfg: ExecutorConfig) -> str:
+    """The settings every rank must agree on (opaque callback configs excluded)."""
+    return repr(
+        (
+            cfg.max_beam_width,
+            cfg.scheduler_config,
+            cfg.kv_cache_config,
+            cfg.enable_chunked_context,
+            cfg.batching_type,
+            cfg.max_batch_size,
+            cfg.max_num_tokens,
+            cfg.max_queue_size,
+        )
+    )
 
 
 def _check_parallel(cfg: ExecutorConfig) -> None:

@@ -47,8 +47,10 @@ def load_engine(model_path: Path, rank: int, world_size: int) -> LoadedEngine:
         raise RuntimeError(ERR + f"Engine config not found: {cfg_path}")
     cfg = json.loads(cfg_path.read_text())
     if not {"version", "pretrained_config", "build_config"} <= cfg.keys():
-        raise RuntimeError(ERR + f"Invalid engine config {cfg_path}: expected version, "
-                           "pretrained_config and build_config (rebuild with trtllm-build)")
+        raise RuntimeError(
+            ERR + f"Invalid engine config {cfg_path}: expected version, "
+            "pretrained_config and build_config (rebuild with trtllm-build)"
+        )
     mapping = cfg["pretrained_config"]["mapping"]
     tp, pp, cp = mapping["tp_size"], mapping["pp_size"], mapping.get("cp_size", 1)
     if world_size != tp * pp * cp:
@@ -63,22 +65,35 @@ def load_engine(model_path: Path, rank: int, world_size: int) -> LoadedEngine:
         raise RuntimeError(DESERIALIZE_FAILED) from None
     _check_compatible(plan)
     pc = cfg["pretrained_config"]
-    return LoadedEngine(cfg, ToyModel.from_dict(plan["toy"]), tp, pp, cp,
-                        _weight_bytes(pc, tp, pp), _kv_bytes_per_token(pc, tp, pp))
+    return LoadedEngine(
+        cfg,
+        ToyModel.from_dict(plan["toy"]),
+        tp,
+        pp,
+        cp,
+        _weight_bytes(pc, tp, pp),
+        _kv_bytes_per_token(pc, tp, pp),
+    )
 
 
 def _check_compatible(plan: dict[str, Any]) -> None:
     # Order of a real load: TensorRT reads the plan header (version), then checks the device;
     # only a plan TensorRT accepts can reach TensorRT-LLM's own I/O-tensor checks.
     if plan["tensorrt_version"] != env.tensorrt_version():
-        env.trt_log_error(6, "The engine plan file is not compatible with this version of "
-                          f"TensorRT, expecting library version {plan['tensorrt_version']} got "
-                          f"{env.tensorrt_version()}, please rebuild.")
+        env.trt_log_error(
+            6,
+            "The engine plan file is not compatible with this version of "
+            f"TensorRT, expecting library version {plan['tensorrt_version']} got "
+            f"{env.tensorrt_version()}, please rebuild.",
+        )
         raise RuntimeError(DESERIALIZE_FAILED)
     if plan["sm"] != env.device_sm():
-        env.trt_log_error(6, "The engine plan file is generated on an incompatible device, "
-                          f"expecting compute {plan['sm']} got compute {env.device_sm()}, "
-                          "please rebuild.")
+        env.trt_log_error(
+            6,
+            "The engine plan file is generated on an incompatible device, "
+            f"expecting compute {plan['sm']} got compute {env.device_sm()}, "
+            "please rebuild.",
+        )
         raise RuntimeError(DESERIALIZE_FAILED)
     if plan["trtllm_version"] != env.trtllm_version():
         # No single documented text: drift shows up as I/O tensor name or shape assertions.
@@ -94,8 +109,10 @@ def kv_cache_blocks(eng: LoadedEngine, kv: KvCacheConfig) -> int:
     after weights, capped by `max_tokens`; when both are set the smaller wins."""
     free = env.gpu_memory_bytes() - eng.weight_bytes
     if free <= 0:
-        raise RuntimeError(ERR + f"out of memory: the weights need {eng.weight_bytes / 2**30:.1f} "
-                           f"GiB, the GPU has {env.gpu_memory_bytes() / 2**30:.1f} GiB")
+        raise RuntimeError(
+            ERR + f"out of memory: the weights need {eng.weight_bytes / 2**30:.1f} "
+            f"GiB, the GPU has {env.gpu_memory_bytes() / 2**30:.1f} GiB"
+        )
     frac = kv.free_gpu_memory_fraction
     frac = DEFAULT_FREE_GPU_MEMORY_FRACTION if frac is None else frac
     tokens = int(free * frac) // eng.kv_bytes_per_token

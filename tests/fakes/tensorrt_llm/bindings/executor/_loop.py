@@ -42,11 +42,20 @@ class Seq:
 
 
 class Loop:
-    def __init__(self, eng: LoadedEngine, cfg: ExecutorConfig, max_batch_size: int,
-                 max_num_tokens: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        eng: LoadedEngine,
+        cfg: ExecutorConfig,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_blocks: int,
+    ) -> None:
         self.eng, self.cfg = eng, cfg
         self.max_batch_size, self.max_num_tokens, self.max_blocks = (
-            max_batch_size, max_num_tokens, max_blocks)
+            max_batch_size,
+            max_num_tokens,
+            max_blocks,
+        )
         self.tpb: int = eng.build["plugin_config"]["tokens_per_block"]
         self.cond = threading.Condition()
         self.queued: list[Seq] = []
@@ -55,7 +64,8 @@ class Loop:
         self.delivered_final: set[int] = set()
         self.iter_stats: deque[IterationStats] = deque(maxlen=cfg.iter_stats_max_iterations)
         self.req_stats: deque[RequestStatsPerIteration] = deque(
-            maxlen=cfg.request_stats_max_iterations)
+            maxlen=cfg.request_stats_max_iterations
+        )
         self.hold = 0
         self.stopped = False
         self._iter = 0
@@ -63,8 +73,7 @@ class Loop:
         self._reused = self._missed = 0
         self._seen_blocks: set[int] = set()
         self._finished: set[int] = set()  # ids finished in the current iteration
-        self._thread = threading.Thread(target=self._run, name="fake-trtllm-executor",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fake-trtllm-executor", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -159,8 +168,9 @@ class Loop:
         r = seq.req
         seq_tokens = r.input_token_ids + seq.generated
         min_tokens = r.sampling_config.min_tokens or 0
-        tok = self.eng.toy.choose(seq_tokens, len(seq.generated), r.end_id, r.bad_words or [],
-                                  min_tokens)
+        tok = self.eng.toy.choose(
+            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens
+        )
         if r.end_id is not None and tok == r.end_id:
             self._finish(seq, FinishReason.END_ID, [])  # end_id is not an output token
             return
@@ -187,42 +197,61 @@ class Loop:
             tokens = r.input_token_ids + seq.generated
         logp = r.output_config.return_log_probs
         result = Result(
-            is_final=final, output_token_ids=[tokens], finish_reasons=[reason],
-            decoding_iter=seq.iters, is_sequence_final=final,
+            is_final=final,
+            output_token_ids=[tokens],
+            finish_reasons=[reason],
+            decoding_iter=seq.iters,
+            is_sequence_final=final,
             log_probs=[[0.0] * len(tokens)] if logp else None,  # the toy is certain
             cum_log_probs=[0.0] if logp else None,
         )
         self.ready.append(Response(seq.id, result=result, client_id=r.client_id))
 
-    def _record(self, t0: float, admitted: list[Seq], stepped: list[Seq], n_ctx: int,
-                new_blocks: int) -> None:
+    def _record(
+        self, t0: float, admitted: list[Seq], stepped: list[Seq], n_ctx: int, new_blocks: int
+    ) -> None:
         used = self._used(self.active)
         if self.cfg.request_stats_max_iterations > 0:
-            self.req_stats.append(RequestStatsPerIteration(self._iter, [
-                RequestStats(s.id, len(s.generated)) for s in stepped]))
+            self.req_stats.append(
+                RequestStatsPerIteration(
+                    self._iter, [RequestStats(s.id, len(s.generated)) for s in stepped]
+                )
+            )
         waits = [(t0 - s.enqueued_at) * 1000 for s in admitted]
         kv = KvCacheStats(
-            max_num_blocks=self.max_blocks, free_num_blocks=self.max_blocks - used,
-            used_num_blocks=used, tokens_per_block=self.tpb,
-            alloc_total_blocks=self._alloc_total, alloc_new_blocks=new_blocks,
-            reused_blocks=self._reused, missed_blocks=self._missed,
+            max_num_blocks=self.max_blocks,
+            free_num_blocks=self.max_blocks - used,
+            used_num_blocks=used,
+            tokens_per_block=self.tpb,
+            alloc_total_blocks=self._alloc_total,
+            alloc_new_blocks=new_blocks,
+            reused_blocks=self._reused,
+            missed_blocks=self._missed,
             cache_hit_rate=self._reused / max(1, self._reused + self._missed),
         )
         ifb = InflightBatchingStats(
-            num_scheduled_requests=len(stepped), num_context_requests=len(admitted),
-            num_gen_requests=len(stepped) - len(admitted), num_ctx_tokens=n_ctx,
+            num_scheduled_requests=len(stepped),
+            num_context_requests=len(admitted),
+            num_gen_requests=len(stepped) - len(admitted),
+            num_ctx_tokens=n_ctx,
             avg_num_decoded_tokens_per_iter=1.0 if stepped else 0.0,
         )
         kv_bytes = self.max_blocks * self.tpb * self.eng.kv_bytes_per_token
         if self.cfg.iter_stats_max_iterations > 0:
-            self.iter_stats.append(IterationStats(
-                timestamp=datetime.now().strftime("%m-%d-%Y %H:%M:%S"), iter=self._iter,
-                iter_latency_ms=(time.monotonic() - t0) * 1000,
-                new_active_requests_queue_latency_ms=sum(waits) / len(waits) if waits else 0.0,
-                num_new_active_requests=len(admitted), num_active_requests=len(stepped),
-                num_queued_requests=len(self.queued), num_completed_requests=len(self._finished),
-                max_num_active_requests=self.max_batch_size,
-                gpu_mem_usage=self.eng.weight_bytes + kv_bytes,
-                kv_cache_stats=kv, inflight_batching_stats=ifb,
-            ))
+            self.iter_stats.append(
+                IterationStats(
+                    timestamp=datetime.now().strftime("%m-%d-%Y %H:%M:%S"),
+                    iter=self._iter,
+                    iter_latency_ms=(time.monotonic() - t0) * 1000,
+                    new_active_requests_queue_latency_ms=sum(waits) / len(waits) if waits else 0.0,
+                    num_new_active_requests=len(admitted),
+                    num_active_requests=len(stepped),
+                    num_queued_requests=len(self.queued),
+                    num_completed_requests=len(self._finished),
+                    max_num_active_requests=self.max_batch_size,
+                    gpu_mem_usage=self.eng.weight_bytes + kv_bytes,
+                    kv_cache_stats=kv,
+                    inflight_batching_stats=ifb,
+                )
+            )
         self._iter += 1

@@ -15,11 +15,18 @@ _OPT_FLOAT = (float, None)
 
 @dataclass(slots=True)
 class SamplingConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "beam_width": (int,), "top_k": _OPT_INT, "top_p": _OPT_FLOAT, "temperature": _OPT_FLOAT,
-        "min_tokens": _OPT_INT, "repetition_penalty": _OPT_FLOAT,
-        "presence_penalty": _OPT_FLOAT, "frequency_penalty": _OPT_FLOAT,
-        "length_penalty": _OPT_FLOAT, "seed": _OPT_INT, "num_return_sequences": _OPT_INT,
+    _TYPES = {  # noqa: RUF012
+        "beam_width": (int,),
+        "top_k": _OPT_INT,
+        "top_p": _OPT_FLOAT,
+        "temperature": _OPT_FLOAT,
+        "min_tokens": _OPT_INT,
+        "repetition_penalty": _OPT_FLOAT,
+        "presence_penalty": _OPT_FLOAT,
+        "frequency_penalty": _OPT_FLOAT,
+        "length_penalty": _OPT_FLOAT,
+        "seed": _OPT_INT,
+        "num_return_sequences": _OPT_INT,
         "min_p": _OPT_FLOAT,
     }
 
@@ -40,10 +47,13 @@ class SamplingConfig(Typed):
 
 @dataclass(slots=True)
 class OutputConfig(Typed):
-    TYPES = {  # noqa: RUF012
-        "return_log_probs": (bool,), "return_context_logits": (bool,),
-        "return_generation_logits": (bool,), "exclude_input_from_output": (bool,),
-        "return_encoder_output": (bool,), "return_perf_metrics": (bool,),
+    _TYPES = {  # noqa: RUF012
+        "return_log_probs": (bool,),
+        "return_context_logits": (bool,),
+        "return_generation_logits": (bool,),
+        "exclude_input_from_output": (bool,),
+        "return_encoder_output": (bool,),
+        "return_perf_metrics": (bool,),
     }
 
     return_log_probs: bool = False
@@ -62,11 +72,18 @@ _DEFAULT_OUTPUT = OutputConfig()
 class Request(Typed):
     """Everything after max_tokens is keyword-only; there is no `max_new_tokens`."""
 
-    TYPES = {  # noqa: RUF012
-        "max_tokens": (int,), "streaming": (bool,), "sampling_config": (SamplingConfig,),
-        "output_config": (OutputConfig,), "end_id": _OPT_INT, "pad_id": _OPT_INT,
-        "client_id": _OPT_INT, "return_all_generated_tokens": (bool,), "priority": (float,),
-        "num_return_sequences": (int,), "allotted_time_ms": _OPT_INT,
+    _TYPES = {  # noqa: RUF012
+        "max_tokens": (int,),
+        "streaming": (bool,),
+        "sampling_config": (SamplingConfig,),
+        "output_config": (OutputConfig,),
+        "end_id": _OPT_INT,
+        "pad_id": _OPT_INT,
+        "client_id": _OPT_INT,
+        "return_all_generated_tokens": (bool,),
+        "priority": (float,),
+        "num_return_sequences": (int,),
+        "allotted_time_ms": _OPT_INT,
     }
     __slots__ = (
         "allotted_time_ms",
@@ -146,8 +163,14 @@ class Response:
 
     __slots__ = ("_error_msg", "_result", "client_id", "request_id")
 
-    def __init__(self, request_id: int, *, result: Result | None = None,
-                 error_msg: str | None = None, client_id: int | None = None) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        *,
+        result: Result | None = None,
+        error_msg: str | None = None,
+        client_id: int | None = None,
+    ) -> None:
         self.request_id = request_id
         self.client_id = client_id
         self._result = result
@@ -165,8 +188,9 @@ class Response:
     @property
     def result(self) -> Result:
         if self._result is None:
-            raise RuntimeError(f"Cannot get the result for a response with an error: "
-                               f"{self._error_msg}")
+            raise RuntimeError(
+                f"Cannot get the result for a response with an error: {self._error_msg}"
+            )
         return self._result
 
     def __repr__(self) -> str:

@@ -43,8 +43,9 @@ def resolve_await(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, t
             continue
         if fn is _await_id and not (isinstance(target, int) and not isinstance(target, bool)):
             continue
-        if fn is _await_ids and not (isinstance(target, list)
-                                     and all(isinstance(i, int) for i in target)):
+        if fn is _await_ids and not (
+            isinstance(target, list) and all(isinstance(i, int) for i in target)
+        ):
             continue
         return target, timeout
     raise TypeError(
@@ -105,14 +106,19 @@ def _validate(loop: Loop, r: Request) -> tuple[str | None, int]:
     max_tokens = r.max_tokens
     if n_in + max_tokens > b["max_seq_len"]:
         max_tokens = b["max_seq_len"] - n_in
-        env.log("WARNING", f"Number of requested output tokens ({r.max_tokens}) exceeds maximum "
-                f"sequence length ({b['max_seq_len']}). Number of requested output tokens is "
-                f"changed to ({max_tokens}).")
+        env.log(
+            "WARNING",
+            f"Number of requested output tokens ({r.max_tokens}) exceeds maximum "
+            f"sequence length ({b['max_seq_len']}). Number of requested output tokens is "
+            f"changed to ({max_tokens}).",
+        )
         if max_tokens < 1:
             return f"Prompt length ({n_in}) leaves no room in max_seq_len", 0
     if loop.blocks_for(n_in + max_tokens) > loop.max_blocks:
-        return (f"Request needs {loop.blocks_for(n_in + max_tokens)} KV cache blocks, the cache "
-                f"has {loop.max_blocks}"), 0
+        return (
+            f"Request needs {loop.blocks_for(n_in + max_tokens)} KV cache blocks, the cache "
+            f"has {loop.max_blocks}"
+        ), 0
     return None, max_tokens
 
 

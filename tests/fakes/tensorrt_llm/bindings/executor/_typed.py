@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 class Typed:
     __slots__ = ()
     # attribute -> accepted types; None in the tuple means the attribute is optional.
-    TYPES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    _TYPES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def __setattr__(self, name: str, value: Any) -> None:
-        types = self.TYPES.get(name)
+        types = self._TYPES.get(name)
         if types is not None and not _accepts(types, value):
             names = ", ".join("None" if t is None else t.__name__ for t in types)
             raise TypeError(

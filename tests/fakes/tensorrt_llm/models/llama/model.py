@@ -12,10 +12,21 @@ from ..modeling_utils import PretrainedConfig, PretrainedModel
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 _DTYPES = ("auto", "float16", "bfloat16", "float32")
-_REQUIRED_HF = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "intermediate_size")
-_QUANT_NONE = {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128,
-               "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None}
+_REQUIRED_HF = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
+_QUANT_NONE = {
+    "quant_algo": None,
+    "kv_cache_quant_algo": None,
+    "group_size": 128,
+    "has_zero_point": False,
+    "pre_quant_scale": False,
+    "exclude_modules": None,
+}
 
 
 class LLaMAForCausalLM(PretrainedModel):

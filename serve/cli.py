@@ -1,0 +1,31 @@
+"""`serve launch ...` (also `python -m serve launch ...`); run it under `mpirun -n TP`."""
+
+from __future__ import annotations
+
+import sys
+
+from serve.launch import parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: mpirun -n TP serve launch --engine ENGINE_DIR [options]\n"
+              "       serve launch --help   (all options)")
+        return 0 if args else 2
+    if args[0] != "launch":
+        print(f"error: unknown command {args[0]!r} — the command is `serve launch`", file=sys.stderr)
+        return 2
+    try:
+        cfg = parse(args[1:])  # validate before MPI starts, so bad flags cost nothing
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from serve.supervisor import supervise
+
+    del cfg
+    return supervise(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

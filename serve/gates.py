@@ -1,0 +1,104 @@
+"""Readiness gates: each records start, end, evidence and, on failure, cause and remedy.
+
+A gate either passes with evidence a person can read, or raises GateFailure; the worker
+then reports it, every rank exits non-zero, and nobody takes traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+GATE_NAMES = (
+    "resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
+    "warmup", "admission",
+)
+
+
+class GateFailure(Exception):
+    def __init__(self, gate: str, cause: str, remedy: str) -> None:
+        super().__init__(f"gate {gate} failed: {cause} — {remedy}")
+        self.gate, self.cause, self.remedy = gate, cause, remedy
+
+
+@dataclass(slots=True)
+class Gate:
+    name: str
+    state: str = "pending"  # pending | running | passed | failed | skipped
+    start: float | None = None  # seconds since launch
+    end: float | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.start is None or self.end is None else self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state, "start": self.start, "end": self.end,
+                "seconds": self.seconds, "evidence": self.evidence, "reason": self.reason}
+
+
+class GateLog:
+    """The gate timeline of one worker; thread-safe to read from the HTTP thread."""
+
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.gates = [Gate(n) for n in GATE_NAMES]
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Gate:
+        return next(g for g in self.gates if g.name == name)
+
+    @contextmanager
+    def run(self, name: str) -> Iterator[dict[str, Any]]:
+        """Time a gate; the body fills in the evidence dict or raises GateFailure."""
+        gate = self.get(name)
+        with self._lock:
+            gate.state, gate.start = "running", time.perf_counter() - self.t0
+        try:
+            yield gate.evidence
+        except GateFailure as e:
+            self._close(gate, "failed", f"{e.cause} — {e.remedy}")
+            raise
+        except Exception as e:  # an unexpected error still fails the gate by name
+            self._close(gate, "failed", f"{type(e).__name__}: {e}")
+            raise GateFailure(name, f"{type(e).__name__}: {e}", "see the worker log") from e
+        self._close(gate, "passed", None)
+
+    def skip(self, name: str, why: str) -> None:
+        gate = self.get(name)
+        now = time.perf_counter() - self.t0
+        with self._lock:
+            gate.state, gate.start, gate.end, gate.reason = "skipped", now, now, why
+
+    def _close(self, gate: Gate, state: str, reason: str | None) -> None:
+        with self._lock:
+            gate.state, gate.end, gate.reason = state, time.perf_counter() - self.t0, reason
+
+    def to_list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [g.to_dict() for g in self.gates]
+
+    def table(self) -> str:
+        """The cold-start report as one readable table."""
+        rows = [("gate", "state", "start s", "seconds", "evidence")]
+        for g in self.to_list():
+            ev = g["reason"] or ", ".join(f"{k}={_fmt(v)}" for k, v in g["evidence"].items()
+                                          if not isinstance(v, (dict, list)))
+            rows.append((g["name"], g["state"], _fmt(g["start"]), _fmt(g["seconds"]), ev))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)

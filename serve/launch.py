@@ -1,0 +1,80 @@
+"""`serve launch`: the command line and its typed, validated configuration."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_KV_FRACTION = 0.05
+GPU_KV_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    engine: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_cache_fraction: float | None = None  # None: 0.9 on a GPU, 0.05 on a CPU
+    kv_cache_tokens: int | None = None
+    max_queue: int = 256
+    warmup: str = "auto"
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+    run_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.kv_cache_fraction is not None and self.kv_cache_tokens is not None:
+            raise ValueError("give either --kv-cache-fraction or --kv-cache-tokens, not both")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"--kv-cache-fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"--kv-cache-tokens must be positive, got {self.kv_cache_tokens}")
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be at least 1, got {self.max_queue}")
+        if self.warmup not in ("auto", "none"):
+            raise ValueError(f"--warmup must be auto or none, got {self.warmup!r}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve launch",
+        description="Serve a built engine: run under `mpirun -n TP`, one rank per engine rank.",
+    )
+    p.add_argument("--engine", required=True, type=Path, help="engine directory (pipeline build prints it)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--kv-cache-fraction", type=float, default=None,
+        help=f"fraction of the memory left after weights for the KV cache (default {GPU_KV_FRACTION} "
+        f"on a GPU; {CPU_KV_FRACTION} of available host memory on a CPU, whose memory is shared "
+        "with everything else); never more than the build profile can use",
+    )
+    kv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests admitted at once before 429 (default 256)")
+    p.add_argument("--warmup", choices=("auto", "none"), default="auto",
+                   help="run the build profile's shapes before admission (default auto); "
+                   "the golden check runs either way")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish (default 30)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="write rank{N}.pid and, at exit, rank{N}.exit (exit code) here")
+    return p
+
+
+def parse(argv: list[str]) -> LaunchConfig:
+    ns = parser().parse_args(argv)
+    return LaunchConfig(
+        engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
+        kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
+        drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
+    )

@@ -1,0 +1,140 @@
+"""One rank's serving process: gates, then serving until drained or failed.
+
+Started by serve/supervisor.py (under mpirun) in its own session. Rank 0 binds HTTP first
+(/health/live answers during start-up), passes the gates with the other ranks, opens
+admission and runs the engine loop on the main thread; other ranks execute plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from serve.comm import Bootstrap, Comm
+from serve.gates import GateFailure, GateLog
+from serve.launch import LaunchConfig, parse
+from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
+
+log = logging.getLogger("serve")
+
+
+class Lifecycle:
+    """Signals and supervisor death, seen from the worker."""
+
+    def __init__(self) -> None:
+        self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.drain.set())
+        fd = os.environ.get(PARENT_FD_ENV)
+        if fd is not None:
+            threading.Thread(target=self._watch_parent, args=(int(fd),), daemon=True).start()
+
+    def _watch_parent(self, fd: int) -> None:
+        while os.read(fd, 1):
+            pass
+        # The launcher kills the supervisor right after forwarding a signal (a drain);
+        # a supervisor that dies with no signal first means the job is failing.
+        time.sleep(0.2)
+        if not self.drain.is_set():
+            log.error("the rank's supervisor died without a shutdown signal; exiting")
+            os._exit(1)
+
+
+def _setup_logging(level: str, rank: int) -> None:
+    logging.raiseExceptions = False  # stderr may be a pipe to a launcher that is gone
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
+
+
+def _torch_threads(comm: Comm) -> None:
+    # Ranks of one host share its cores; oversubscribing them slows every collective.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // max(1, comm.local_size)))
+
+
+def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
+    from serve.api import HttpBindError, ServerState, start_http_server
+    from serve.rank0 import Rank0
+
+    state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2, max_queue=cfg.max_queue)
+    try:
+        http = start_http_server(state, cfg.host, cfg.port)
+    except HttpBindError as e:
+        print(f"error: {e} — choose another --port or stop the other server", file=sys.stderr)
+        return 2
+    log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)", cfg.host, http.port)
+    return Rank0(cfg, comm, life, state, http).run()
+
+
+def serve_worker(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
+    from serve.engine import worker_loop
+    from serve.startup import Startup
+
+    st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
+    try:
+        for name in ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
+                     "kernels", "warmup"):
+            st.gate(name, getattr(st, name))
+        comm.allgather("admitted")
+    except GateFailure as e:
+        print(f"error: rank {comm.rank}: {e}", file=sys.stderr)
+        return 1
+    assert st.runner is not None
+    try:
+        worker_loop(st.runner, comm)
+    except (ConnectionError, OSError) as e:
+        log.error("lost rank 0 (%s); exiting", e)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    boot_env = os.environ.get(Bootstrap.ENV)
+    boot = Bootstrap.from_env(boot_env) if boot_env else None
+    plan_fd = os.environ.get(PLAN_FD_ENV)
+    listener = socket.socket(fileno=int(plan_fd)) if plan_fd else None
+    rank = boot.rank if boot else 0
+    _setup_logging(cfg.log_level, rank)
+    life = Lifecycle()
+    _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
+    rc = 1
+    try:
+        comm = Comm(boot, listener)
+        _torch_threads(comm)
+        rc = serve_rank0(cfg, comm, life) if rank == 0 else serve_worker(cfg, comm, life)
+    except (ConnectionError, OSError) as e:
+        print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
+    finally:
+        _write_run_file(cfg.run_dir, rank, "exit", rc)
+    return rc
+
+
+def _write_run_file(run_dir: Path | None, rank: int, kind: str, value: int) -> None:
+    if run_dir is None:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".rank{rank}.{kind}"
+        tmp.write_text(f"{value}\n")
+        tmp.rename(run_dir / f"rank{rank}.{kind}")
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

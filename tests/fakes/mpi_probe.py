@@ -1,0 +1,74 @@
+"""Run under `mpirun -n N` by tests/unit/test_trtllm_fake.py to check LEADER-mode rules.
+
+    python mpi_probe.py <engine_dir> <out_dir> <scenario>
+
+scenario "leader": every rank constructs the Executor; rank 0 generates, waits, then shuts
+down; other ranks try the leader-only calls (expecting errors) and then block in shutdown().
+scenario "missing": rank 1 never constructs; rank 0's construction must fail, not hang.
+Each rank writes <out_dir>/rank{N}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from mpi4py import MPI
+from tensorrt_llm.bindings import executor as trtllm
+
+
+def _error(fn: Any) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def leader(engine_dir: str) -> dict[str, Any]:
+    rank = MPI.COMM_WORLD.Get_rank()
+    ex = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, trtllm.ExecutorConfig())
+    out: dict[str, Any] = {"can_enqueue": ex.can_enqueue_requests()}
+    if rank == 0:
+        rid = ex.enqueue_request(trtllm.Request([1, 2, 3], 4))
+        out["tokens"] = ex.await_responses(rid, timeout=timedelta(seconds=10))[
+            0
+        ].result.output_token_ids[0]
+        time.sleep(0.5)  # the worker reaches shutdown() well before this rank calls it
+        out["shutdown_called"] = time.time()
+        ex.shutdown()
+    else:
+        out["enqueue_error"] = _error(lambda: ex.enqueue_request(trtllm.Request([1], 1)))
+        out["await_error"] = _error(lambda: ex.await_responses(timeout=timedelta(seconds=0)))
+        out["cancel_error"] = _error(lambda: ex.cancel_request(1))
+        out["stats_error"] = _error(ex.get_latest_iteration_stats)
+        ex.shutdown()  # blocks until the leader shuts down
+        out["shutdown_returned"] = time.time()
+    return out
+
+
+def missing(engine_dir: str) -> dict[str, Any]:
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        time.sleep(2.5)  # outlive rank 0's 1 s construction timeout
+        return {"constructed": False}
+    cfg = trtllm.ExecutorConfig()
+    err = _error(lambda: trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, cfg))
+    return {"construct_error": err}
+
+
+def main() -> None:
+    engine_dir, out_dir, scenario = sys.argv[1:4]
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        result = {"leader": leader, "missing": missing}[scenario](engine_dir)
+    except RuntimeError as e:
+        result = {"error": str(e)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
