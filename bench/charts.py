@@ -56,9 +56,14 @@ def throughput(
     series: dict[str, list[tuple[int, float]]],
     baseline: list[tuple[int, float]],
     path: Path,
+    floor: list[tuple[int, float]] | None = None,
 ) -> Path:
-    """Output tokens/s against concurrency, one line per system; transformers as a dashed line."""
+    """Output tokens/s against concurrency, one line per system; transformers as a dashed line;
+    the decode floor (best possible on this machine) as red marks."""
     fig, ax = plt.subplots(figsize=SIZE)
+    if floor:
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], ls="none", marker="_", ms=30,
+                mew=2, color="tab:red", label="decode floor (bandwidth / matmul rate)")  # fmt: skip
     for name, pts in series.items():
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -66,6 +71,9 @@ def throughput(
         ax.plot([p[0] for p in baseline], [p[1] for p in baseline], ls="--", marker="x",
                 color="gray", label="transformers generate (batch)")  # fmt: skip
     ax.set_xscale("log", base=2)
+    ticks = sorted({p[0] for pts in [*series.values(), baseline, floor or []] for p in pts})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("concurrent requests (transformers: batch size)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("Served throughput against concurrency")

@@ -93,5 +93,45 @@ def machine_info() -> dict[str, str]:
     }
 
 
+def loadavg() -> str:
+    """The 1/5/15-minute load averages: other work on the machine skews every number."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def cpu_snapshot(pgid: int) -> tuple[float, float]:
+    """(CPU seconds busy on the whole machine, CPU seconds of process group `pgid` + this process).
+
+    The difference between two snapshots tells how much CPU other work took while we measured.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    jiffies = [int(x) for x in fields]
+    idle = jiffies[3] + (jiffies[4] if len(jiffies) > 4 else 0)  # idle + iowait
+    busy = (sum(jiffies[:8]) - idle) / tick  # guest time is already inside user
+    ours = sum(os.times()[:4])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            rest = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(rest[2]) == pgid:  # rest[0] is field 3 (state); pgrp is field 5
+            ours += sum(int(x) for x in rest[11:15]) / tick  # utime stime cutime cstime
+    return busy, ours
+
+
+def foreign_cpu_share(
+    before: tuple[float, float], after: tuple[float, float], wall_s: float
+) -> float:
+    """Share of the machine's CPU (0..1) used by anything but the measured group and us."""
+    cores = os.cpu_count() or 1
+    foreign = (after[0] - before[0]) - (after[1] - before[1])
+    return max(foreign, 0.0) / (wall_s * cores) if wall_s > 0 else 0.0
+
+
 def cmdline(argv: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)

@@ -6,8 +6,9 @@ bfloat16 and float32, with transformers at the same batch sizes, in one run:
 
     python -m bench.executor_throughput [--hf-dir DIR | --engine DIR] [--quick]
 
-Uses the in-process API `serve.engine.LLMEngine` (from_checkpoint / from_engine_dir,
-generate(prompts, params) runs the in-flight batching loop to completion).
+Uses the in-process API `serve.engine.LLMEngine`: from_checkpoint (TP=1, eager) or
+from_engine_dir (a built TP=1 engine, aoti or eager); generate(prompts, params) runs the
+in-flight batching loop to completion.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ class Row:
         return self.executor_tok_s / self.transformers_tok_s
 
 
-def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, backend: str) -> Any:
+def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, batch: int) -> Any:
+    """A built TP=1 engine (aoti or eager, its own dtype), or an eager one from the checkpoint."""
     from serve.engine import LLMEngine
 
     if engine_dir is not None:
         return LLMEngine.from_engine_dir(engine_dir)
-    return LLMEngine.from_checkpoint(hf_dir, dtype=dtype, backend=backend)
+    return LLMEngine.from_checkpoint(hf_dir, dtype=dtype, max_batch_size=max(batch, 1))
 
 
 def executor_tok_s(engine: Any, prompts: Sequence[list[int]], new_tokens: int) -> float:
@@ -69,13 +71,12 @@ def run(
     levels: Sequence[int],
     prompt_len: int,
     new_tokens: int,
-    backend: str,
 ) -> list[Row]:
     tok = load_tokenizer(hf_dir)
     prompts = make_prompts(tok, max(levels), prompt_len, seed=SEED)
     rows: list[Row] = []
     for dtype in dtypes:
-        engine = make_engine(None if engine_dir else hf_dir, engine_dir, dtype, backend)
+        engine = make_engine(None if engine_dir else hf_dir, engine_dir, dtype, max(levels))
         executor_tok_s(engine, prompts[:2], 4)  # warm allocator, thread pool and kernels
         ours = {c: executor_tok_s(engine, prompts[:c], new_tokens) for c in levels}
         del engine
@@ -105,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m pipeline.demo")
     ap.add_argument("--engine", type=Path, default=None, help="a built engine (its own dtype)")
-    ap.add_argument("--backend", default="eager", choices=["eager", "aoti"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine is not None and len(args.dtypes) > 1:
         print("executor_throughput: error: --engine has one dtype; pass the matching --dtypes X")
         return 2
-    rows = run(hf_dir, args.engine, args.dtypes, levels, args.prompt_len, new, args.backend)
+    rows = run(hf_dir, args.engine, args.dtypes, levels, args.prompt_len, new)
     print(format_table(rows))
     return 0
 

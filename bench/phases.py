@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from bench.common import cpu_snapshot, foreign_cpu_share
 from bench.loadgen import LoadSpec, exact_length_body, run_load
 from bench.servers import Running, get_json
 from bench.stats import LoadSummary, RequestResult, median
@@ -86,17 +87,20 @@ def sweep(running: Running, wl: Workload, tokenizer: Any) -> list[dict[str, Any]
     out: list[dict[str, Any]] = []
     for c, n in zip(wl.levels, wl.requests_per_level, strict=True):
         prompts = make_prompts(tokenizer, n, wl.prompt_len, seed=LEVEL_SEED + c)
+        before = cpu_snapshot(running.proc.pid)
         _, summary = run_load(_spec(running, prompts, wl.max_tokens, c, n))
-        out.append(summary.to_dict())
-        print(f"  {running.spec.name} c={c}: {_line(summary)}", flush=True)
+        # Anything else running on these cores skews the numbers: keep the evidence.
+        foreign = foreign_cpu_share(before, cpu_snapshot(running.proc.pid), summary.wall_s)
+        out.append({**summary.to_dict(), "foreign_cpu_share": foreign})
+        print(f"  {running.spec.name} c={c}: {_line(summary, foreign)}", flush=True)
     return out
 
 
-def _line(s: LoadSummary) -> str:
+def _line(s: LoadSummary, foreign: float) -> str:
     return (
         f"{s.output_tok_s:.1f} tok/s, TTFT p50 {s.ttft_p50_s * 1e3:.0f} ms, "
         f"ITL p50 {s.itl_p50_s * 1e3:.1f} ms, errors {s.errors}, "
-        f"length mismatches {s.token_count_mismatches}"
+        f"length mismatches {s.token_count_mismatches}, other work {foreign:.0%} of the CPU"
     )
 
 
@@ -108,43 +112,46 @@ def engine_report(running: Running) -> dict[str, Any] | None:
 def gate_bars(report: dict[str, Any] | None, ready_s: float) -> list[dict[str, Any]]:
     """Gates as (name, start, seconds) bars on the launch-to-ready time axis.
 
-    Uses each gate's own start offset when the report has one; otherwise the gates are laid
-    end to end, after a first bar for what came before them (mpirun, imports, HTTP bind).
+    A gate's `start` counts from the moment rank 0's gate log was made, after mpirun and
+    the Python imports; that lead-in is the first bar, so the bars end where ready does.
     """
-    gates = [g for g in (report or {}).get("gates", []) if isinstance(g, dict)]
+    gates = [
+        g for g in (report or {}).get("gates", [])
+        if isinstance(g, dict) and isinstance(g.get("start"), (int, float))
+    ]  # fmt: skip
     if not gates:
         return [{"name": "launch to ready", "start": 0.0, "seconds": ready_s}]
-    secs = [float(g.get("seconds") or 0.0) for g in gates]
-    starts = [g.get("start_s", g.get("start_offset_s")) for g in gates]
-    bars: list[dict[str, Any]] = []
-    if all(isinstance(s, (int, float)) for s in starts):
-        for g, s, d in zip(gates, starts, secs, strict=True):
-            bars.append({"name": str(g.get("name")), "start": float(s), "seconds": d})
-        return bars
-    before = max(ready_s - sum(secs), 0.0)
-    bars.append({"name": "process start (mpirun, imports)", "start": 0.0, "seconds": before})
-    t = before
-    for g, d in zip(gates, secs, strict=True):
-        bars.append({"name": str(g.get("name")), "start": t, "seconds": d})
-        t += d
+    ends = [float(g["start"]) + float(g.get("seconds") or 0.0) for g in gates]
+    lead = max(ready_s - max(ends), 0.0)
+    bars = [{"name": "process start (mpirun, imports)", "start": 0.0, "seconds": lead}]
+    bars += [
+        {"name": str(g["name"]), "start": lead + float(g["start"]),
+         "seconds": float(g.get("seconds") or 0.0)}
+        for g in gates
+    ]  # fmt: skip
     return bars
 
 
 def load_figures(report: dict[str, Any] | None) -> dict[str, float] | None:
-    """bytes and seconds of our load gate, from the report's `load` object or its gate."""
+    """Our load gate: bytes over all ranks, the gate's wall seconds, each rank's read rate.
+
+    Ranks load their shards at the same time, so the gate's wall time is what a cold start
+    pays; `read_s` is the slowest rank's own read time.
+    """
     if not report:
         return None
-    load = report.get("load")
-    if not isinstance(load, dict):
-        load = next((g for g in report.get("gates", []) if g.get("name") == "load"), None)
-    if not isinstance(load, dict):
+    ranks = [r for r in report.get("load") or [] if isinstance(r, dict) and "bytes" in r]
+    if not ranks:
         return None
-    nbytes = load.get("bytes") or load.get("total_bytes")
-    seconds = load.get("seconds")
-    if not isinstance(nbytes, (int, float)) or not isinstance(seconds, (int, float)):
-        return None
-    return {"bytes": float(nbytes), "seconds": float(seconds)}
-
-
-def summaries_asdict(items: Sequence[LoadSummary]) -> list[dict[str, Any]]:
-    return [asdict(s) for s in items]
+    gate = next((g for g in report.get("gates", []) if g.get("name") == "load"), {})
+    read_s = max(float(r.get("read_s") or 0.0) for r in ranks)
+    seconds = gate.get("seconds")
+    floors = ranks[0].get("floors") or {}
+    return {
+        "bytes": float(sum(r["bytes"] for r in ranks)),
+        "seconds": float(seconds) if isinstance(seconds, (int, float)) else read_s,
+        "read_s": read_s,
+        "server_storage_gbps": floors.get("storage_read_gbps"),
+        "server_storage_mode": floors.get("storage_mode"),
+        "server_host_copy_gbps": floors.get("host_copy_gbps"),
+    }

@@ -16,12 +16,13 @@ from bench import charts
 from bench.common import RESULTS
 
 HEADLINE_LEVEL = 16
+CONTENDED = 0.05  # share of the machine's CPU taken by other work that makes a level suspect
 
 
-def _f(v: Any, fmt: str = ".1f", scale: float = 1.0) -> str:
+def _f(v: Any, fmt: str = ".1f", scale: float = 1.0, unit: str = "") -> str:
     if not isinstance(v, (int, float)) or math.isnan(v):
         return "n/a"
-    return format(v * scale, fmt)
+    return format(v * scale, fmt) + unit
 
 
 def _level(system: dict[str, Any], c: int) -> dict[str, Any] | None:
@@ -50,7 +51,7 @@ def headline(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {_f(sys_.get('ready_s'), '.2f')} | {_f(tok)} "
             f"| {_f(lv.get('ttft_p50_s'), '.0f', 1e3)} | {_f(lv.get('itl_p50_s'), '.1f', 1e3)} "
-            f"| {_f(_max_ratio(sys_.get('study')), '.2f')}x | {_f(tok / f16 * 100 if f16 else math.nan, '.0f')}% |"
+            f"| {_f(_max_ratio(sys_.get('study')), '.2f', unit='x')} | {_f(tok / f16 * 100 if f16 else math.nan, '.0f', unit='%')} |"
         )
     return lines
 
@@ -58,8 +59,8 @@ def headline(res: dict[str, Any]) -> list[str]:
 def _sweep_table(res: dict[str, Any]) -> list[str]:
     lines = [
         "| system | concurrency | requests | errors | length mismatches | output tok/s "
-        "| TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 (s) | other work's CPU share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, sys_ in res.get("systems", {}).items():
         for s in sys_.get("sweep", []):
@@ -68,7 +69,7 @@ def _sweep_table(res: dict[str, Any]) -> list[str]:
                 f"| {s['token_count_mismatches']} | {_f(s['output_tok_s'])} "
                 f"| {_f(s['ttft_p50_s'], '.0f', 1e3)} / {_f(s['ttft_p99_s'], '.0f', 1e3)} "
                 f"| {_f(s['itl_p50_s'], '.1f', 1e3)} / {_f(s['itl_p99_s'], '.1f', 1e3)} "
-                f"| {_f(s['e2e_p50_s'], '.2f')} |"
+                f"| {_f(s['e2e_p50_s'], '.2f')} | {_f(s.get('foreign_cpu_share'), '.0%')} |"
             )
     return lines
 
@@ -106,23 +107,28 @@ def _distance(res: dict[str, Any]) -> list[str]:
         return ["No decode floor (model not measured)."]
     lines = ["| system | c=1 tok/s | % of batch-1 floor | c=16 tok/s | % of batch-16 floor |",
              "|---|---|---|---|---|"]  # fmt: skip
-    rows = [(n, _level(s, 1), _level(s, 16)) for n, s in res.get("systems", {}).items()]
+    rows = [(n, _level(s, 1), _level(s, 16)) for n, s in res.get("systems", {}).items()
+            if s.get("sweep")]  # fmt: skip
     base = {b["batch"]: b for b in res.get("hf_baseline", []) if b["dtype"] == "bfloat16"}
     rows.append(("transformers generate", base.get(1), base.get(16)))
     for name, l1, l16 in rows:
         t1 = (l1 or {}).get("output_tok_s", math.nan)
         t16 = (l16 or {}).get("output_tok_s", math.nan)
         lines.append(
-            f"| {name} | {_f(t1)} | {_f(t1 / dfl['batch1_tok_s'] * 100, '.0f')}% "
-            f"| {_f(t16)} | {_f(t16 / dfl['batch16_tok_s'] * 100, '.0f')}% |"
+            f"| {name} | {_f(t1)} | {_f(t1 / dfl['batch1_tok_s'] * 100, '.0f', unit='%')} "
+            f"| {_f(t16)} | {_f(t16 / dfl['batch16_tok_s'] * 100, '.0f', unit='%')} |"
         )
     return lines
 
 
 def _cold_start(res: dict[str, Any]) -> list[str]:
-    lines = ["| system | launch to ready (s) |", "|---|---|"]
+    lines = [
+        "| system | launch to ready (s) | page cache dropped | load average at launch |",
+        "|---|---|---|---|",
+    ]
     lines += [
-        f"| {n} | {_f(s.get('ready_s'), '.2f')} |"
+        f"| {n} | {_f(s.get('ready_s'), '.2f')} | {s.get('page_cache_dropped', False)} "
+        f"| {s.get('loadavg_at_launch', '')} |"
         for n, s in res.get("systems", {}).items()
         if s.get("status") == "ok"
     ]
@@ -141,7 +147,10 @@ def _cold_start(res: dict[str, Any]) -> list[str]:
                 f"({load['bytes'] / load['seconds'] / 1e9:.2f} GB/s); floors: storage read "
                 f"{disk_floor:.3f} s ({st['page_cache']}) -> load/floor "
                 f"{load['seconds'] / disk_floor:.1f}x; host copy {copy_floor:.3f} s -> "
-                f"load/floor {load['seconds'] / copy_floor:.1f}x"
+                f"load/floor {load['seconds'] / copy_floor:.1f}x. Slowest rank's own read: "
+                f"{_f(load.get('read_s'), '.3f')} s; the server's start-up probe: storage "
+                f"{load.get('server_storage_gbps')} GB/s ({load.get('server_storage_mode')}), "
+                f"host copy {load.get('server_host_copy_gbps')} GB/s"
             )
     return lines
 
@@ -156,7 +165,7 @@ def _warmup_table(res: dict[str, Any]) -> list[str]:
         ratios = " ".join(_f(v, ".2f") for v in st["e2e_ratio"])
         lines.append(
             f"| {n} | {_f(st['steady_median_e2e_s'], '.3f')} | {ratios} "
-            f"| {_f(_max_ratio(st, 'ttft_ratio'), '.2f')}x |"
+            f"| {_f(_max_ratio(st, 'ttft_ratio'), '.2f', unit='x')} |"
         )
     return lines
 
@@ -182,7 +191,9 @@ def _charts(res: dict[str, Any], out: Path) -> list[str]:
     base = [(b["batch"], b["output_tok_s"]) for b in res.get("hf_baseline", [])
             if b["dtype"] == "bfloat16"]  # fmt: skip
     if any(series.values()):
-        made.append(charts.throughput(series, base, out / "throughput.png").name)
+        dfl = res.get("floors", {}).get("decode_floor_bf16")
+        floor = [(1, dfl["batch1_tok_s"]), (16, dfl["batch16_tok_s"])] if dfl else None
+        made.append(charts.throughput(series, base, out / "throughput.png", floor).name)
         levels = sorted({x for pts in series.values() for x, _ in pts})
         c = HEADLINE_LEVEL if HEADLINE_LEVEL in levels else levels[-1]
         rows = {n: lv for n, s in systems.items() if (lv := _level(s, c))}
@@ -193,8 +204,28 @@ def _charts(res: dict[str, Any], out: Path) -> list[str]:
     return made
 
 
+def contention_notes(res: dict[str, Any]) -> list[str]:
+    """Levels measured while other processes took a noticeable share of the CPU."""
+    cores = int(res.get("machine", {}).get("cores") or 1)
+    busy = [
+        f"{n} c={lv['concurrency']} ({lv['foreign_cpu_share']:.0%})"
+        for n, s in res.get("systems", {}).items()
+        for lv in s.get("sweep", [])
+        if lv.get("foreign_cpu_share", 0.0) > CONTENDED
+    ]
+    if not busy:
+        return []
+    return [
+        f"CONTENDED: other processes took more than {CONTENDED:.0%} of the {cores} cores' time "
+        "while these were measured (their numbers are low): " + ", ".join(busy)
+    ]
+
+
 def render(res: dict[str, Any], out: Path) -> str:
     pngs = _charts(res, out)
+    res.setdefault("notes", [])
+    res["notes"] = [n for n in res["notes"] if not n.startswith("CONTENDED")]
+    res["notes"] += contention_notes(res)
     m, v = res.get("machine", {}), res.get("versions", {})
     md = [
         f"# Benchmark report {res.get('started_utc', '')}",

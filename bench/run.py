@@ -78,7 +78,19 @@ def versions(hf_dir: Path) -> dict[str, str]:
 
 def build_engine(run: Run, hf_dir: Path, tp: int) -> Path:
     """`pipeline build` prints the engine directory last; a second build is a cache hit."""
-    out = run.sh([str(common.VENV_PYTHON), "-m", "pipeline", "build", str(hf_dir), "--tp", str(tp), "--dtype", "bfloat16"])
+    out = run.sh(
+        [
+            str(common.VENV_PYTHON),
+            "-m",
+            "pipeline",
+            "build",
+            str(hf_dir),
+            "--tp",
+            str(tp),
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     return Path(out.strip().splitlines()[-1].strip())
 
 
@@ -89,6 +101,7 @@ def measure_system(
     run.command(spec.command)
     if cold:
         entry["page_cache_dropped"] = floors.drop_page_cache()
+    entry["loadavg_at_launch"] = common.loadavg()
     print(f"{spec.name}: launching", flush=True)
     with serve(spec, run.out / "logs") as running:
         entry["ready_s"] = running.ready_s
@@ -104,18 +117,28 @@ def measure_system(
                     f"--max-tokens {wl.study_max_tokens} (warmup study)")  # fmt: skip
         if sweep:
             entry["sweep"] = phases.sweep(running, wl, tok)
-            levels = " ".join(f"-c {c} -n {k}" for c, k in zip(wl.levels, wl.requests_per_level, strict=True))
+            levels = " ".join(
+                f"-c {c} -n {k}" for c, k in zip(wl.levels, wl.requests_per_level, strict=True)
+            )
             run.command(f"# in process: bench.loadgen {spec.base_url} -c 16 -n "
                         f"{wl.warm_requests} --max-tokens 16 (warm pass), then {levels} "
                         f"--max-tokens {wl.max_tokens}")  # fmt: skip
     return entry
 
 
+def _tp(name: str) -> int:
+    return 2 if name == "ours-tp2" else 1
+
+
 def specs(run: Run, args: argparse.Namespace, hf_dir: Path) -> list[tuple[ServerSpec | None, str]]:
     """(spec, why not) per system in the run order; spec None means skipped for `why`."""
     out: list[tuple[ServerSpec | None, str]] = []
     engines: dict[int, Path | str] = {}
+    wanted = {_tp(n) for n in SYSTEMS if n.startswith("ours") and n not in args.skip}
     for tp, given in ((1, args.engine_tp1), (2, args.engine_tp2)):
+        if tp not in wanted:
+            engines[tp] = "not built (skipped)"
+            continue
         try:
             engines[tp] = given or build_engine(run, hf_dir, tp)
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
@@ -126,7 +149,7 @@ def specs(run: Run, args: argparse.Namespace, hf_dir: Path) -> list[tuple[Server
             continue
         port = common.free_port()
         if name.startswith("ours"):
-            tp = 2 if name == "ours-tp2" else 1
+            tp = _tp(name)
             eng = engines[tp]
             if isinstance(eng, str):
                 out.append((None, eng))

@@ -14,15 +14,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, cmdline, llama_server_bin, vllm_python
-
-OURS_MODEL_NOTE = "ours: serve launch under mpirun"
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,9 @@ def vllm_spec(hf_dir: Path, port: int, kv_gib: int = 2, max_model_len: int = 512
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", hf_dir.name,
     )  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+    # OpenMP threads on every core, as llama-server's -t 2 and our ranks get on this machine.
+    cores = f"0-{(os.cpu_count() or 1) - 1}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": cores}
     return ServerSpec("vllm", argv, port, "/health", env=env, ready_timeout_s=900.0)
 
 
@@ -182,8 +182,3 @@ def tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def available(argv0: str | Sequence[str]) -> bool:
-    first = argv0 if isinstance(argv0, str) else argv0[0]
-    return Path(first).exists()

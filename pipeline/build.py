@@ -99,10 +99,6 @@ def _check_backend(cfg: BuildConfig) -> None:
             "the trtllm backend needs TensorRT-LLM 1.2.x, which is not installed",
             "pip install .[trtllm] on a host with an NVIDIA GPU, or use --backend aoti",
         ) from e
-    raise BuildError(
-        "the trtllm backend is not available in this version of the pipeline",
-        "use --backend aoti or --backend eager",
-    )
 
 
 def _read_hf_config(local_dir: Path) -> dict:
@@ -170,16 +166,26 @@ def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
 
 
 def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
-    target = detect_target(cfg.target)
+    _check_backend(cfg)  # first: a missing TensorRT-LLM is the one thing to say
+    if cfg.backend == "trtllm":
+        from pipeline.compile.trtllm import trtllm_target
+
+        target = trtllm_target(cfg.target)
+    else:
+        target = detect_target(cfg.target)
     if cfg.backend == "eager" and target.device == "cpu":
         # Eager shards are plain tensors: no ISA is baked in, so record none and let the
         # engine (and its id) be the same whichever x86 host built it.
         target = dataclasses.replace(target, isa="baseline")
-    _check_backend(cfg)
     with clock("resolve"), progress.stage("resolve"):
         src = resolve(cfg.model, cache_root(), progress)
-        model_cfg = ModelConfig.from_hf_config(_read_hf_config(src.local_dir))
+        hf_cfg = _read_hf_config(src.local_dir)
+        model_cfg = ModelConfig.from_hf_config(hf_cfg)
         model_cfg.check_tp(cfg.tp)
+        if cfg.backend == "trtllm":
+            from pipeline.compile.trtllm import check_source
+
+            check_source(hf_cfg)
     with clock("digest"):
         digest = checkpoint_digest(src.local_dir, progress)
     toolchain = toolchain_versions(cfg.backend)
@@ -210,10 +216,18 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
 
     need = estimate_engine_bytes(src.local_dir, cfg.dtype, cfg.backend, cfg.tp)
     with store.staging(src.name, eid, need_bytes=need) as tmp:
-        with clock("convert"):
-            from pipeline.convert import convert_checkpoint
+        if cfg.backend == "trtllm":  # convert + compile by TensorRT-LLM, per rank
+            from pipeline.compile import trtllm
 
-            convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress)
+            for name, secs in trtllm.convert_and_build(
+                src.local_dir, tmp, cfg.tp, cfg.dtype, cfg.profile, progress
+            ).items():
+                clock.stages[name] = secs
+        else:
+            with clock("convert"):
+                from pipeline.convert import convert_checkpoint
+
+                convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress)
         if cfg.backend == "aoti":
             with clock("compile"):
                 from pipeline.compile.aoti import compile_engine
@@ -230,9 +244,12 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
         with clock("copy"), progress.stage("copy tokenizer"):
             _copy_extras(src.local_dir, tmp)
         with clock("golden"), progress.stage("golden"):
-            from pipeline.golden import compute_golden
+            if cfg.backend == "trtllm":
+                golden = trtllm.compute_golden(tmp, cfg.tp, cfg.dtype)
+            else:
+                from pipeline.golden import compute_golden
 
-            golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
+                golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
         with clock("hash"):
             files = hash_engine_files(tmp, progress)
         manifest = Manifest(

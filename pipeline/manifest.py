@@ -157,10 +157,10 @@ def toolchain_versions(backend: str) -> dict[str, str]:
         "transformers": transformers.__version__,
         "pipeline": f"{_package_version()}+src.{_pipeline_source_digest()}",
     }
-    if backend == "trtllm":
-        import tensorrt_llm
+    if backend == "trtllm":  # a TensorRT engine is tied to both (and to the GPU SM)
+        from pipeline.compile.trtllm import trtllm_versions
 
-        versions["tensorrt_llm"] = tensorrt_llm.__version__
+        versions.update(trtllm_versions())
     return versions
 
 

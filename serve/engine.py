@@ -12,6 +12,7 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from serve.comm import Comm
 from serve.plan import StepPlan
@@ -107,6 +108,8 @@ class LLMEngine:
         """Run one iteration if there is work; returns the plan it ran."""
         self._drain_inbox()
         if not self.scheduler.has_unfinished():
+            # A cancel or a rejection may just have emptied the batch: /metrics must see it.
+            self._refresh_stats()
             return None
         plan = self.scheduler.schedule()
         if self.comm is not None:
@@ -157,7 +160,40 @@ class LLMEngine:
         if self.comm is not None:
             self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
 
-    # ---- synchronous helper (tests, benchmarks) ----------------------------------------
+    # ---- in-process construction and a synchronous helper (tests, benchmarks) ---------
+
+    @classmethod
+    def from_checkpoint(
+        cls, hf_dir: str | Path, dtype: str = "bfloat16", max_batch_size: int = 16,
+        max_num_tokens: int = 512, max_seq_len: int = 1024, block_size: int = 16,
+        num_blocks: int | None = None,
+    ) -> LLMEngine:
+        """A TP=1 eager engine straight from a Hugging Face checkpoint."""
+        from pipeline.models.parallel import TPContext
+        from serve.executors.torch import runner_from_checkpoint
+
+        blocks = num_blocks or max_batch_size * max_seq_len // block_size + 1
+        runner, cfg = runner_from_checkpoint(Path(hf_dir), TPContext(), dtype, blocks, block_size)
+        return cls(runner, SchedulerConfig(max_batch_size, max_num_tokens, block_size, blocks,
+                                           max_seq_len, cfg.eos_token_ids))
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int | None = None) -> LLMEngine:
+        """A built TP=1 engine (aoti or eager) loaded in this process."""
+        from pipeline.manifest import read_manifest
+        from pipeline.models.parallel import TPContext
+        from serve.executors.torch import runner_from_engine
+
+        m = read_manifest(Path(engine_dir))
+        if m.tp != 1:
+            raise ValueError(f"{engine_dir} is a TP={m.tp} engine; serve it with mpirun -n {m.tp}")
+        p = m.profile
+        blocks = num_blocks or p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
+        runner, cfg = runner_from_engine(Path(engine_dir), m.backend, m.dtype, TPContext(), blocks,
+                                         p.tokens_per_block)
+        return cls(runner, SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block,
+                                           blocks, p.max_seq_len, cfg.eos_token_ids))
+
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
         """Submit all prompts at once and step until every one finishes."""

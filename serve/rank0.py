@@ -82,8 +82,7 @@ class Rank0:
             return  # a peer leaving at the very end of a drain is expected
         log.error("%s; the job cannot serve without it, exiting", why)
         self.state.readiness.set("failed", why)
-        sys.stderr.flush()
-        os._exit(1)
+        self.life.exit_now(1)
 
     def run(self) -> int:
         try:

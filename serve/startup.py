@@ -31,8 +31,8 @@ from serve.executors.torch import allocate_kv_cache, make_step_fn
 from serve.gates import GateFailure, GateLog
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION, LaunchConfig
 from serve.loader import LoadedShard, load_shard
-from serve.runner import ModelRunner
 from serve.plan import StepPlan
+from serve.runner import ModelRunner
 from serve.warmup import PHASE_DONE, follow, warmup_shapes
 
 REBUILD = "rebuild the engine on this host with `pipeline build`"

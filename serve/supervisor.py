@@ -10,6 +10,7 @@ forwarded a signal first (a crash, kill -9) exits non-zero at once; see serve/wo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,10 +42,8 @@ def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
         listener.close()
 
     def forward(signum: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)

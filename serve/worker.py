@@ -29,7 +29,8 @@ log = logging.getLogger("serve")
 class Lifecycle:
     """Signals and supervisor death, seen from the worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path | None = None, rank: int = 0) -> None:
+        self.run_dir, self.rank = run_dir, rank
         self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.drain.set())
@@ -45,7 +46,13 @@ class Lifecycle:
         time.sleep(0.2)
         if not self.drain.is_set():
             log.error("the rank's supervisor died without a shutdown signal; exiting")
-            os._exit(1)
+            self.exit_now(1)
+
+    def exit_now(self, code: int) -> None:
+        """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
+        _write_run_file(self.run_dir, self.rank, "exit", code)
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _setup_logging(level: str, rank: int) -> None:
@@ -71,13 +78,24 @@ def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
         print(f"error: {e} — choose another --port or stop the other server", file=sys.stderr)
         return 2
     log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)", cfg.host, http.port)
+    from pipeline.compile.trtllm import is_trtllm_engine
+
+    if is_trtllm_engine(cfg.engine):  # TensorRT-LLM's Executor instead of our engine loop
+        from serve.serve_trtllm import TrtllmRank0
+
+        return TrtllmRank0(cfg, comm, life, state, http).run()
     return Rank0(cfg, comm, life, state, http).run()
 
 
 def serve_worker(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
+    from pipeline.compile.trtllm import is_trtllm_engine
     from serve.engine import worker_loop
     from serve.startup import Startup
 
+    if is_trtllm_engine(cfg.engine):
+        from serve.serve_trtllm import serve_worker_trtllm
+
+        return serve_worker_trtllm(cfg, comm, life)
     st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
     try:
         for name in ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
@@ -108,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     listener = socket.socket(fileno=int(plan_fd)) if plan_fd else None
     rank = boot.rank if boot else 0
     _setup_logging(cfg.log_level, rank)
-    life = Lifecycle()
+    life = Lifecycle(cfg.run_dir, rank)
     _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
     rc = 1
     try:

@@ -1,0 +1,50 @@
+# The two commands a newcomer needs: `make demo` and `make test` (both set up .venv first).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# CPU build of PyTorch by default; GPU users choose theirs, e.g.
+#   make install TORCH="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130"
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+MODEL   ?=
+TP      ?= 2
+BACKEND ?= aoti
+DTYPE   ?= bfloat16
+STORE   ?= engines
+
+.PHONY: install test lint demo demo-model build-engine bench bench-peers clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+demo-model: $(STAMP)
+	$(BIN)/python -m pipeline.demo
+
+build-engine: $(STAMP)
+	$(BIN)/pipeline build $(or $(MODEL),$$($(BIN)/python -m pipeline.demo | tail -n 1)) \
+		--tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
+
+# Build (or reuse) the SmolLM2 demo engine at TP=2, serve it under mpirun, ask one question.
+demo: $(STAMP)
+	$(BIN)/python -m serve.demo --tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
+
+bench-peers: $(STAMP)
+	bash bench/peers.sh
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,127 @@
+"""`make demo`: build (or reuse) the SmolLM2 demo engine, serve it under mpirun, ask once.
+
+Prints the answer and the cold-start table, then shuts the server down the way an
+orchestrator would (SIGTERM to mpirun) and checks that every rank exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from pipeline.build import build_engine
+from pipeline.config import BuildConfig
+from pipeline.demo import ensure_demo_model
+from pipeline.errors import BuildError
+from pipeline.mpi import mpirun_argv
+from pipeline.progress import Progress
+
+QUESTION = "What is the capital of France?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return 0, {}
+
+
+def cold_start_table(report: dict) -> str:
+    lines = [f"{'gate':<11}{'start s':>9}{'seconds':>9}  evidence"]
+    for g in report["gates"]:
+        ev = g["evidence"]
+        keep = {k: v for k, v in ev.items() if not isinstance(v, (dict, list))}
+        text = ", ".join(f"{k}={v}" for k, v in keep.items())
+        lines.append(f"{g['name']:<11}{g['start'] or 0:>9.3f}{g['seconds'] or 0:>9.3f}  {text[:110]}")
+    lines.append("load per rank (storage -> host, hashed on the way in):")
+    for ld in report["load"]:
+        fl = ld.get("floors", {})
+        lines.append(
+            f"  rank {ld.get('rank')}: {ld.get('bytes', 0) / 2**20:.1f} MiB in {ld.get('read_s')} s = "
+            f"{ld.get('gbps')} GB/s; floors: storage {fl.get('storage_read_gbps')} GB/s "
+            f"({fl.get('storage_mode')}), host copy {fl.get('host_copy_gbps')} GB/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve.demo")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--backend", default="aoti")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--store", default="engines")
+    args = ap.parse_args(argv)
+    progress = Progress(sys.stderr)
+    try:
+        model = ensure_demo_model(progress)
+        result = build_engine(BuildConfig(model=str(model), tp=args.tp, backend=args.backend,
+                                          dtype=args.dtype, store=args.store), progress)
+    except BuildError as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+    engine = result.engine_dir
+    print(f"engine: {engine} ({'reused' if result.cache_hit else 'built'})", flush=True)
+
+    port = _free_port()
+    run_dir = Path(tempfile.mkdtemp(prefix="serve-demo-"))
+    cmd = [*mpirun_argv(args.tp), sys.executable, "-m", "serve", "launch", "--engine", str(engine),
+           "--port", str(port), "--run-dir", str(run_dir)]
+    print("launch:", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    server = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        while True:
+            status, _ = _get(f"http://127.0.0.1:{port}/health/ready")
+            if status == 200:
+                break
+            if server.poll() is not None or time.monotonic() - t0 > 600:
+                print("error: the server did not become ready (see its messages above)", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t0
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        t1 = time.monotonic()
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, temperature=0, max_tokens=48,
+            messages=[{"role": "user", "content": QUESTION}])
+        answer = reply.choices[0].message.content
+        _, report = _get(f"http://127.0.0.1:{port}/v1/engine")
+        print(f"\nQ: {QUESTION}\nA: {answer}   ({time.monotonic() - t1:.2f} s, "
+              f"{reply.usage.completion_tokens} tokens)\n")
+        print(f"cold start: launch -> ready in {ready_s:.1f} s (mpirun, imports, then the gates)")
+        print(cold_start_table(report), flush=True)
+    finally:
+        if server.poll() is None:
+            os.kill(server.pid, signal.SIGTERM)  # what an orchestrator or Ctrl-C does
+        server.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    exits = {}
+    while time.monotonic() < deadline and len(exits) < args.tp:
+        exits = {p.name: p.read_text().strip() for p in run_dir.glob("rank*.exit")}
+        time.sleep(0.1)
+    ok = len(exits) == args.tp and all(v == "0" for v in exits.values())
+    print(f"\nshutdown: {'clean, every rank exited 0' if ok else f'ranks exited {exits}'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

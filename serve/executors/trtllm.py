@@ -1,0 +1,327 @@
+"""`serve.types.Executor` over TensorRT-LLM's C++ Executor (`tensorrt_llm.bindings.executor`).
+
+Written against shared/reference/tensorrt-llm-1.2-api.md §2.1-§2.2. LEADER mode: every rank
+constructs the Executor with the same arguments (collective; `construct_executor`); only
+rank 0 (the leader) enqueues, awaits, cancels and reads statistics (`TrtllmExecutor`); the
+other ranks call `shutdown()`, which blocks until the leader shuts down.
+
+Threads: the HTTP thread calls `add_request` / `cancel` (both return at once); one
+background thread blocks in `await_responses(timeout=...)` and turns responses into
+TokenEvents, and reads the iteration statistics (which drain on read) into a snapshot that
+`stats()` returns without touching the Executor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from serve.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
+
+log = logging.getLogger("serve.trtllm")
+POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
+# TensorRT-LLM's finish reasons (reference §2.1) -> ours; TIMED_OUT and unknown ones are errors.
+_FINISH: dict[str, FinishReason] = {
+    "END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
+}
+
+
+def _tx() -> ModuleType:
+    return importlib.import_module("tensorrt_llm.bindings.executor")
+
+
+def kv_cache_config(fraction: float | None, tokens: int | None) -> Any:
+    """--kv-cache-fraction -> free_gpu_memory_fraction, --kv-cache-tokens -> max_tokens;
+    neither: TensorRT-LLM's default (90% of the memory free after the engine)."""
+    tx = _tx()
+    return tx.KvCacheConfig(
+        free_gpu_memory_fraction=None if fraction is None else float(fraction),
+        max_tokens=None if tokens is None else int(tokens),
+    )
+
+
+def executor_config(kv: Any) -> Any:
+    tx = _tx()
+    return tx.ExecutorConfig(
+        max_beam_width=1,
+        scheduler_config=tx.SchedulerConfig(
+            capacity_scheduler_policy=tx.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        ),
+        kv_cache_config=kv,
+        # The engine is built with paged context FMHA, so long prompts are chunked.
+        enable_chunked_context=True,
+        batching_type=tx.BatchingType.INFLIGHT,
+        parallel_config=tx.ParallelConfig(
+            communication_type=tx.CommunicationType.MPI,
+            communication_mode=tx.CommunicationMode.LEADER,
+        ),
+    )
+
+
+def construct_executor(engine_dir: Path, kv: Any) -> Any:
+    """Every rank: deserialize rank{N}.engine, allocate the KV cache, start the executor
+    thread (blocks until done). Raises whatever TensorRT-LLM raises."""
+    tx = _tx()
+    return tx.Executor(str(engine_dir), tx.ModelType.DECODER_ONLY, executor_config(kv))
+
+
+@dataclass(slots=True)
+class _Live:
+    request_id: str
+    on_event: EventCallback
+    num_prompt_tokens: int
+    trt_id: int = -1
+    emitted: int = 0
+
+
+class TrtllmExecutor:
+    """Implements `serve.types.Executor` on the leader rank over a constructed Executor."""
+
+    def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
+                 poll_s: float = POLL_S) -> None:
+        self._ex = ex
+        self._tx = _tx()
+        self.eos_token_ids = eos_token_ids
+        self.pad_id = pad_id
+        self._poll = timedelta(seconds=poll_s)
+        self._lock = threading.Lock()
+        self._live: dict[int, _Live] = {}  # TensorRT-LLM request id -> request
+        self._by_request: dict[str, int] = {}  # our request id -> TensorRT-LLM request id
+        self._stats = ExecutorStats()
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._closed = False
+        self.error: str | None = None  # set when the Executor failed; nothing is served after
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._await_loop, name="trtllm-await", daemon=True)
+        self._thread.start()
+
+    # ---- Executor interface (thread-safe, never blocks on model work) ------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    on_event: EventCallback) -> None:
+        request = self.make_request(prompt_token_ids, params)
+        live = _Live(request_id, on_event, len(prompt_token_ids))
+        # Enqueue under the lock: a response can only be dispatched once its id is known.
+        with self._lock:
+            if self._closed or self.error is not None:
+                raise ValueError(self.error or "the executor is shutting down")
+            try:
+                live.trt_id = self._ex.enqueue_request(request)
+            except Exception as e:  # queue full, invalid request: TensorRT-LLM's words
+                raise ValueError(f"TensorRT-LLM refused the request: {e}") from None
+            self._live[live.trt_id] = live
+            self._by_request[request_id] = live.trt_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            trt_id = self._by_request.get(request_id)
+        if trt_id is not None:
+            # The final response (finish reason CANCELLED) ends the request in _dispatch.
+            self._ex.cancel_request(trt_id)
+            log.info("request %s: cancel_request(%d) sent", request_id, trt_id)
+
+    def stats(self) -> ExecutorStats:
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def make_request(self, prompt: list[int], params: SamplingParams) -> Any:
+        """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded)."""
+        tx = self._tx
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+        # end_id ends generation and is not output; other stop ids become one-token stop
+        # words (output, as our torch executor outputs its stop token; the HTTP layer hides
+        # eos ids from the text either way).
+        end_id = eos[0] if eos else None
+        stop_words = [[t] for t in stops if t != end_id]
+        if params.greedy:
+            # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
+            sampling = tx.SamplingConfig(beam_width=1, top_k=1, seed=params.seed)
+        else:
+            sampling = tx.SamplingConfig(
+                beam_width=1, top_k=params.top_k or None, top_p=float(params.top_p),
+                temperature=float(params.temperature), seed=params.seed,
+            )
+        return tx.Request(
+            [int(t) for t in prompt], int(params.max_tokens),
+            streaming=True,
+            sampling_config=sampling,
+            output_config=tx.OutputConfig(exclude_input_from_output=True),
+            end_id=end_id,
+            pad_id=self.pad_id,
+            stop_words=stop_words or None,
+        )
+
+    # ---- the await thread ----------------------------------------------------------------
+
+    def _await_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                responses = self._ex.await_responses(timeout=self._poll)
+                for resp in responses:
+                    self._dispatch(resp)
+                self._read_stats()
+            except Exception as e:  # the Executor itself failed: fail everything, loudly
+                if self._stop.is_set():
+                    return
+                log.exception("the TensorRT-LLM Executor failed")
+                self._fail_all(f"the TensorRT-LLM Executor failed: {type(e).__name__}: {e}")
+                return
+
+    def _dispatch(self, resp: Any) -> None:
+        with self._lock:
+            live = self._live.get(resp.request_id)
+        if live is None:
+            log.debug("response for unknown request id %s", resp.request_id)
+            return
+        if resp.has_error():
+            self._end(live, TokenEvent(live.request_id, [], "error", live.num_prompt_tokens,
+                                       error=str(resp.error_msg)))
+            return
+        result = resp.result
+        beams = result.output_token_ids
+        tokens = [int(t) for t in beams[0]] if beams else []
+        if live.emitted == 0 and (tokens or result.is_final):
+            with self._lock:
+                self._prompt_tokens += live.num_prompt_tokens
+        live.emitted += len(tokens)
+        with self._lock:
+            self._generation_tokens += len(tokens)
+        if not result.is_final:
+            if tokens:
+                live.on_event(TokenEvent(live.request_id, tokens, None, live.num_prompt_tokens))
+            return
+        reasons = result.finish_reasons
+        name = getattr(reasons[0], "name", str(reasons[0])) if reasons else "NOT_FINISHED"
+        finish = _FINISH.get(name, "error")
+        error = None if finish != "error" else f"generation ended with {name}"
+        if finish == "cancelled":
+            log.info("request %s (id %d) finished CANCELLED after %d tokens",
+                     live.request_id, live.trt_id, live.emitted)
+        self._end(live, TokenEvent(live.request_id, tokens, finish, live.num_prompt_tokens,
+                                   error=error))
+
+    def _end(self, live: _Live, event: TokenEvent) -> None:
+        with self._lock:
+            self._live.pop(live.trt_id, None)
+            self._by_request.pop(live.request_id, None)
+        live.on_event(event)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            self.error = why
+            lives = list(self._live.values())
+        for live in lives:
+            self._end(live, TokenEvent(live.request_id, [], "error", live.num_prompt_tokens,
+                                       error=why))
+
+    def _read_stats(self) -> None:
+        """The newest IterationStats (the buffer drains on read) -> an ExecutorStats snapshot."""
+        its = self._ex.get_latest_iteration_stats()
+        if not its:
+            with self._lock:
+                n = len(self._live)
+            if n == 0 and self._stats.running:  # idle: no iteration reports the drop to 0
+                self._stats = ExecutorStats(
+                    kv_blocks_total=self._stats.kv_blocks_total, steps_total=self._steps,
+                    prompt_tokens_total=self._prompt_tokens,
+                    generation_tokens_total=self._generation_tokens, extra=self._stats.extra)
+            return
+        self._steps += len(its)
+        it = its[-1]
+        kv = it.kv_cache_stats
+        ifb = it.inflight_batching_stats
+        extra = {"iter_latency_ms": float(it.iter_latency_ms),
+                 "gpu_mem_usage_bytes": float(it.gpu_mem_usage)}
+        total = used = 0
+        if kv is not None:
+            total, used = int(kv.max_num_blocks), int(kv.used_num_blocks)
+            extra.update(kv_free_blocks=float(kv.free_num_blocks),
+                         kv_tokens_per_block=float(kv.tokens_per_block),
+                         kv_reused_blocks=float(kv.reused_blocks),
+                         kv_cache_hit_rate=float(kv.cache_hit_rate))
+        tokens = 0
+        if ifb is not None:
+            tokens = int(ifb.num_ctx_tokens) + int(ifb.num_gen_requests)
+            extra.update(context_requests=float(ifb.num_context_requests),
+                         generation_requests=float(ifb.num_gen_requests))
+        with self._lock:
+            prompt, generated = self._prompt_tokens, self._generation_tokens
+            live = len(self._live)
+        # An iteration counts the requests that finished in it as active; ours are gone.
+        self._stats = ExecutorStats(
+            running=min(int(it.num_active_requests), live), waiting=int(it.num_queued_requests),
+            kv_blocks_total=total, kv_blocks_used=used, steps_total=self._steps,
+            tokens_last_step=tokens, prompt_tokens_total=prompt,
+            generation_tokens_total=generated, extra=extra,
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def cancel_all(self, wait_s: float = 2.0) -> int:
+        """Cancel every unfinished request and wait (bounded) for their final responses."""
+        with self._lock:
+            ids = list(self._by_request)
+        for rid in ids:
+            try:
+                self.cancel(rid)
+            except Exception:
+                log.exception("cancel_request for %s failed", rid)
+        deadline = time.monotonic() + wait_s
+        while self.num_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(ids)
+
+    def shutdown(self) -> None:
+        """Stop the await thread, then the Executor (which releases the other ranks)."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=max(5.0, 4 * self._poll.total_seconds()))
+        self._ex.shutdown()
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 timeout_s: float = 600.0) -> list[tuple[list[int], str]]:
+        """Submit all prompts at once and wait: [(tokens, finish reason)] (warmup, golden)."""
+        tag = next(_GENERATE_IDS)
+        rids = [f"generate-{tag}-{i}" for i in range(len(prompts))]
+        out: dict[str, list[int]] = {rid: [] for rid in rids}
+        finish: dict[str, str] = {}
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def on_event(ev: TokenEvent) -> None:
+            with lock:
+                out[ev.request_id].extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    finish[ev.request_id] = ev.error or ev.finish_reason
+                    if len(finish) == len(rids):
+                        done.set()
+
+        for rid, prompt, sp in zip(rids, prompts, params, strict=True):
+            self.add_request(rid, prompt, sp, on_event)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"{len(rids) - len(finish)} request(s) unfinished after "
+                               f"{timeout_s:.0f} s")
+        bad = [v for v in finish.values() if v not in ("stop", "length")]
+        if bad:
+            raise RuntimeError(bad[0])
+        return [(out[rid], finish[rid]) for rid in rids]
+
+
+_GENERATE_IDS = itertools.count()

@@ -1,0 +1,162 @@
+"""Launches of their own: SIGTERM drain, a full queue and a killed rank, failed gates.
+
+"Every rank exits 0" is read from the run directory: the serving processes are detached
+from mpirun (Open MPI 5 SIGKILLs its ranks 0.5 s after forwarding SIGTERM), and each
+writes rank{N}.exit with its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL, Reference
+from tests.e2e.harness import Server, alive, launch, run_to_exit
+
+DRAIN_TIMEOUT = 30.0
+
+
+class Streamer(threading.Thread):
+    """One streamed greedy completion on its own thread; `first` is set at the first text."""
+
+    def __init__(self, server: Server, prompt: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.server, self.prompt, self.max_tokens = server, prompt, max_tokens
+        self.first = threading.Event()
+        self.text = ""
+        self.finish: str | None = None
+        self.completion_tokens: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.server.client().completions.create(
+                model=MODEL, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            for chunk in stream:
+                if chunk.choices:
+                    self.text += chunk.choices[0].text
+                    self.finish = chunk.choices[0].finish_reason or self.finish
+                    self.first.set()
+                if chunk.usage is not None:
+                    self.completion_tokens = chunk.usage.completion_tokens
+        except BaseException as e:  # reported by the test, not lost on this thread
+            self.error = e
+        finally:
+            self.first.set()
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_sigterm_to_mpirun_drains_running_requests_then_every_rank_exits_0(
+        engine_dir: Path, reference: Reference, tmp_path: Path) -> None:
+    prompts, n = ["The quick brown fox", "Héllo wörld", "emoji 🙂 and ✓"], 150
+    wants = [reference.completion(p, n, ignore_eos=True) for p in prompts]
+    srv = launch(engine_dir, tmp_path, args=("--drain-timeout", str(DRAIN_TIMEOUT)))
+    try:
+        srv.wait_ready()
+        workers = srv.worker_pids()
+        streams = [Streamer(srv, p, n) for p in prompts]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.first.wait(60) and s.error is None, s.error
+        srv.proc.send_signal(signal.SIGTERM)  # what an orchestrator or Ctrl-C does
+        signalled = time.monotonic()
+        _wait_until(lambda: srv.call("GET", "/health/ready").status == 503, 5, "ready 503")
+        assert srv.call("GET", "/health/ready").json()["status"] == "draining"
+        with pytest.raises(openai.InternalServerError) as refused:
+            srv.client().completions.create(model=MODEL, prompt="new", max_tokens=4)
+        assert refused.value.status_code == 503 and refused.value.code == "server_draining"
+        assert any(s.is_alive() for s in streams), "the drain was not observed mid-generation"
+        for s in streams:
+            s.join(60)
+        for s, want in zip(streams, wants):
+            assert s.error is None, s.error
+            assert (s.text, s.finish, s.completion_tokens) == (want.text, "length", n)
+        codes = srv.wait_exit_codes(2, DRAIN_TIMEOUT)
+        assert codes == {0: 0, 1: 0}, srv.logs()
+        assert time.monotonic() - signalled < DRAIN_TIMEOUT
+        srv.proc.wait(10)  # mpirun itself is gone too
+        _wait_until(lambda: not any(alive(p) for p in workers), 5, "the workers to exit")
+    finally:
+        srv.close()
+
+
+def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
+        engine_dir: Path, tmp_path: Path) -> None:
+    srv = launch(engine_dir, tmp_path, args=("--max-queue", "1"))
+    try:
+        srv.wait_ready()
+        long = Streamer(srv, "The quick brown fox", 240)
+        long.start()
+        assert long.first.wait(60) and long.error is None, long.error
+        with pytest.raises(openai.RateLimitError) as full:
+            srv.client().completions.create(model=MODEL, prompt="one more", max_tokens=4)
+        assert full.value.code == "queue_full"
+        assert int(full.value.response.headers["retry-after"]) > 0
+        assert long.is_alive(), "the long request ended before the queue check"
+
+        rank0, rank1 = srv.run_file(0, "pid"), srv.run_file(1, "pid")
+        assert rank0 and rank1 and alive(rank0) and alive(rank1)
+        os.kill(rank1, signal.SIGKILL)  # while rank 0 is serving the long request
+        killed = time.monotonic()
+        _wait_until(lambda: not alive(rank0), 10, "rank 0 to exit")
+        assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - killed))) != 0
+        assert time.monotonic() - killed < 10
+        assert srv.run_file(0, "exit") not in (None, 0), srv.logs()
+        long.join(10)
+        assert not long.is_alive(), "the client of the dead job hangs"
+        assert long.error is not None or long.completion_tokens is None
+    finally:
+        srv.close()
+
+
+def test_a_flipped_byte_in_a_shard_fails_the_verify_gate_naming_the_file(
+        engine_dir: Path, tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    shutil.copytree(engine_dir, engine)
+    shard = engine / "rank1.safetensors"
+    shard.chmod(shard.stat().st_mode | stat.S_IWUSR)  # the store makes engines read-only
+    data = bytearray(shard.read_bytes())
+    data[len(data) - 100] ^= 0x01  # in the last tensor's data, not the header
+    shard.write_bytes(bytes(data))
+    srv, rc = run_to_exit(engine, tmp_path / "serve", n=2)
+    try:
+        err = srv.stderr()
+        assert rc != 0, srv.logs()
+        assert srv.wait_exit_codes(2, 10) == {0: 1, 1: 1}, srv.logs()
+        lines = [ln for ln in err.splitlines() if "gate verify failed" in ln]
+        assert lines and all("rank1.safetensors" in ln for ln in lines), srv.logs()
+        assert "Traceback" not in err
+    finally:
+        srv.close()
+
+
+def test_world_size_other_than_tp_fails_the_compatible_gate_saying_what_to_run(
+        engine_dir: Path, tmp_path: Path) -> None:
+    srv, rc = run_to_exit(engine_dir, tmp_path, n=1)
+    try:
+        err = srv.stderr()
+        assert rc != 0, srv.logs()
+        assert srv.wait_exit_codes(1, 10) == {0: 1}, srv.logs()
+        lines = [ln for ln in err.splitlines() if "gate compatible failed" in ln]
+        assert lines, srv.logs()
+        assert "TP=2" in lines[0] and "1 rank" in lines[0] and "mpirun -n 2" in lines[0], lines
+        assert "Traceback" not in err
+    finally:
+        srv.close()

@@ -1,0 +1,150 @@
+"""The Executor adapter (serve/executors/trtllm.py) in this process, over the contract fake:
+streaming, stop ids, cancel, errors and statistics, predicted by the fake's toy rule."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from serve.types import SamplingParams, TokenEvent
+
+EOS = 0
+
+
+@pytest.fixture
+def adapter(trtllm_fake: ModuleType, engine_tp1: Path) -> Iterator[Any]:
+    from serve.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+
+    ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))
+    a = TrtllmExecutor(ex, eos_token_ids=(EOS,), pad_id=EOS)
+    try:
+        yield a
+    finally:
+        a.shutdown()
+
+
+def _toy(engine: Path) -> Any:
+    from tensorrt_llm._fake.toy import ToyModel
+
+    return ToyModel.from_engine_dir(engine)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.events: list[TokenEvent] = []
+        self.done = threading.Event()
+
+    def __call__(self, ev: TokenEvent) -> None:
+        self.events.append(ev)
+        if ev.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for ev in self.events for t in ev.token_ids]
+
+
+def test_tokens_stream_as_the_engine_computes_them(adapter: Any, engine_tp1: Path) -> None:
+    prompt = [5, 17, 33, 2]
+    want, reason = _toy(engine_tp1).generate(prompt, 12, end_id=EOS)
+    sink = _Sink()
+    adapter.add_request("r1", prompt, SamplingParams(max_tokens=12, temperature=0.0), sink)
+    assert sink.done.wait(10)
+    assert sink.tokens == want  # the prompt is excluded; end_id is not an output token
+    assert sink.events[-1].finish_reason == ("stop" if reason == "END_ID" else "length")
+    assert all(ev.num_prompt_tokens == 4 for ev in sink.events)
+    assert len(sink.events) >= len(want)  # streamed token by token, not in one piece
+    assert adapter.num_unfinished() == 0
+
+
+def test_request_mapping(adapter: Any) -> None:
+    sampled = adapter.make_request([1, 2, 3], SamplingParams(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop_token_ids=(9, 11)))
+    assert (sampled.input_token_ids, sampled.max_tokens) == ([1, 2, 3], 7)
+    assert sampled.streaming and sampled.output_config.exclude_input_from_output
+    assert (sampled.end_id, sampled.pad_id, sampled.stop_words) == (EOS, EOS, [[9], [11]])
+    sc = sampled.sampling_config
+    assert (sc.beam_width, sc.temperature, sc.top_p, sc.top_k, sc.seed) == (1, 0.7, 0.9, 5, 3)
+    greedy = adapter.make_request([1], SamplingParams(max_tokens=2, temperature=0.0,
+                                                      ignore_eos=True))
+    assert greedy.sampling_config.top_k == 1 and greedy.end_id is None
+    assert greedy.stop_words is None
+
+
+def test_stop_word_ends_the_request(adapter: Any, engine_tp1: Path) -> None:
+    prompt = [5, 17, 33, 2]
+    free, _ = _toy(engine_tp1).generate(prompt, 6)
+    sink = _Sink()
+    adapter.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                    stop_token_ids=(free[2],), ignore_eos=True),
+                        sink)
+    assert sink.done.wait(10)
+    assert sink.tokens == free[:free.index(free[2]) + 1]
+    assert sink.events[-1].finish_reason == "stop"
+
+
+def test_cancel_reaches_cancel_request(adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "20")
+    calls: list[int] = []
+    real = type(adapter._ex).cancel_request
+    monkeypatch.setattr(type(adapter._ex), "cancel_request",
+                        lambda self, id, /: (calls.append(id), real(self, id))[1])
+    sink = _Sink()
+    adapter.add_request("long", [3, 4], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                      temperature=0.0), sink)
+    trt_id = adapter._by_request["long"]
+    while len(sink.tokens) < 3:
+        time.sleep(0.01)
+    adapter.cancel("long")
+    assert sink.done.wait(10)
+    assert calls == [trt_id]
+    assert sink.events[-1].finish_reason == "cancelled" and len(sink.tokens) < 200
+    assert adapter.num_unfinished() == 0
+    adapter.cancel("long")  # already finished: nothing to cancel, no error
+    assert calls == [trt_id]
+
+
+def test_engine_error_response_becomes_an_error_event(adapter: Any) -> None:
+    sink = _Sink()
+    too_long = list(range(1, 300))  # max_input_len is 255
+    adapter.add_request("bad", too_long, SamplingParams(max_tokens=1), sink)
+    assert sink.done.wait(10)
+    ev = sink.events[-1]
+    assert ev.finish_reason == "error" and ev.token_ids == [] and "exceeds" in (ev.error or "")
+
+
+def test_statistics_come_from_iteration_stats(adapter: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "20")
+    sink = _Sink()
+    adapter.add_request("s", list(range(1, 40)), SamplingParams(max_tokens=100, ignore_eos=True,
+                                                               temperature=0.0), sink)
+    deadline = time.monotonic() + 10
+    while adapter.stats().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = adapter.stats()
+    assert st.running == 1 and st.kv_blocks_total == 1024 // 16 and st.kv_blocks_used >= 3
+    assert 0 < st.kv_usage < 1 and st.steps_total >= 1
+    assert st.extra["kv_tokens_per_block"] == 16.0
+    adapter.cancel("s")
+    assert sink.done.wait(10)
+    deadline = time.monotonic() + 5
+    while adapter.stats().running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = adapter.stats()
+    assert st.running == 0 and st.prompt_tokens_total == 39 and st.generation_tokens_total >= 1
+
+
+def test_refused_enqueue_is_a_value_error(trtllm_fake: ModuleType, engine_tp1: Path) -> None:
+    from serve.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+
+    a = TrtllmExecutor(construct_executor(engine_tp1, kv_cache_config(None, None)))
+    a.shutdown()
+    with pytest.raises(ValueError, match="shutting down"):
+        a.add_request("x", [1], SamplingParams(), _Sink())

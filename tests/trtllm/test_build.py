@@ -1,0 +1,125 @@
+"""`pipeline build --backend trtllm` end to end with the contract fake on PYTHONPATH."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pipeline.build import plan_build
+from pipeline.config import BuildConfig, BuildProfile
+from pipeline.manifest import read_manifest, verify_engine
+from tests.conftest import make_tiny_checkpoint
+from tests.trtllm.conftest import PROFILE_ARGS
+
+
+def test_engine_has_trtllm_layout_and_our_manifest(engine_tp2: Path, chat_ckpt: Path,
+                                                   trtllm_fake: ModuleType) -> None:
+    files = {p.name for p in engine_tp2.iterdir()}
+    # TensorRT-LLM's own layout (config.json + rank{N}.engine), ours beside it.
+    assert {"config.json", "rank0.engine", "rank1.engine", "model_config.json",
+            "manifest.json", "tokenizer.json"} <= files
+    assert not any(f.endswith(".safetensors") for f in files) and ".golden.json" not in files
+    assert not (engine_tp2 / ".trtllm-checkpoint").exists()
+    trt_cfg = json.loads((engine_tp2 / "config.json").read_text())
+    assert {"version", "pretrained_config", "build_config"} <= trt_cfg.keys()
+    assert trt_cfg["pretrained_config"]["mapping"]["tp_size"] == 2
+    bc = trt_cfg["build_config"]
+    assert (bc["max_batch_size"], bc["max_num_tokens"], bc["max_seq_len"],
+            bc["max_input_len"]) == (4, 128, 256, 255)
+    assert bc["kv_cache_type"].lower() == "paged"
+    plugins = bc["plugin_config"]
+    assert plugins["gemm_plugin"] == "auto" and plugins["use_paged_context_fmha"]
+    assert plugins["multiple_profiles"] and plugins["tokens_per_block"] == 16
+    ours = json.loads((engine_tp2 / "model_config.json").read_text())
+    assert ours["model"]["vocab_size"] == json.loads((chat_ckpt / "config.json").read_text())[
+        "vocab_size"]
+
+    m = read_manifest(engine_tp2)
+    assert (m.backend, m.tp, m.target.device, m.target.sm) == ("trtllm", 2, "cuda", "sm_90")
+    assert m.toolchain["tensorrt_llm"] == "1.2.0" and m.toolchain["tensorrt"] == "10.13.0.35"
+    assert {f.path: f.rank for f in m.files}["rank1.engine"] == 1
+    assert verify_engine(engine_tp2) == []  # every file listed and hashed
+
+    # The golden record came from running the built engine: the toy rule predicts it.
+    from tensorrt_llm._fake.toy import ToyModel
+
+    g = m.golden
+    toy = ToyModel.from_engine_dir(engine_tp2)
+    want, _ = toy.generate(g["prompt_token_ids"], len(g["tokens"]))
+    assert g["kind"] == "tokens" and g["tokens"] == want and len(want) == 8
+
+
+def test_rebuild_is_a_cache_hit_and_versions_key_the_engine(
+        engine_tp2: Path, chat_ckpt: Path, trtllm_fake: ModuleType,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    store = engine_tp2.parents[1]
+    rc, out, err = _cli(capsys, chat_ckpt, "--tp", "2", "--target", "sm_90", "--store", store)
+    assert rc == 0 and "cache hit" in out, err
+    assert Path(out.strip().splitlines()[-1]) == engine_tp2
+    cfg = BuildConfig(model=str(chat_ckpt), tp=2, backend="trtllm", target="sm_90",
+                      profile=BuildProfile(max_batch_size=4, max_num_tokens=128, max_seq_len=256),
+                      store=str(store))
+    assert plan_build(cfg).engine_id == engine_tp2.name
+    for var, value in (("FAKE_TRTLLM_VERSION", "1.2.1"), ("FAKE_TENSORRT_VERSION", "10.14.1")):
+        with monkeypatch.context() as mp:
+            mp.setenv(var, value)
+            assert plan_build(cfg).engine_id != engine_tp2.name, var
+
+
+def _cli(capsys: pytest.CaptureFixture[str], ckpt: Path, *args: object) -> tuple[int, str, str]:
+    """`pipeline build CKPT --backend trtllm ...` in this process: (exit code, stdout, stderr)."""
+    from pipeline.cli import main
+
+    capsys.readouterr()
+    rc = main(["build", str(ckpt), "--backend", "trtllm", *PROFILE_ARGS, *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in stderr, stderr
+    assert len([ln for ln in lines if ln.startswith("error:")]) == 1, stderr
+    return lines[-1]
+
+
+def test_missing_tensorrt_llm_is_one_line(chat_ckpt: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ImportError):
+        import tensorrt_llm  # noqa: F401  (the fake is not on sys.path outside its fixture)
+    rc, out, err = _cli(capsys, chat_ckpt, "--tp", "1", "--target", "sm_90",
+                        "--store", tmp_path / "engines")
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert "TensorRT-LLM 1.2.x" in line and "not installed" in line
+    assert "pip install .[trtllm]" in line and "NVIDIA GPU" in line
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (("--target", "cpu"), {}, "TensorRT-LLM engines run on NVIDIA GPUs only"),
+    (("--target", "sm_90"), {"AOTLLM_GPU_SM": "8.9"},
+     "--target sm_90 was requested but this host's GPU is sm_89"),
+    ((), {}, "cannot tell this host's GPU SM"),
+])
+def test_bad_target_is_one_line(chat_ckpt: Path, tmp_path: Path, trtllm_fake: ModuleType,
+                                monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                                env: dict[str, str], expected: str) -> None:
+    monkeypatch.delenv("AOTLLM_GPU_SM", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, err = _cli(capsys, chat_ckpt, "--tp", "1", *args, "--store", tmp_path / "engines")
+    assert rc == 2 and out == ""
+    assert expected in _one_error_line(err)
+    assert not (tmp_path / "engines").exists()
+
+
+def test_non_llama_checkpoint_is_refused(tmp_path: Path, trtllm_fake: ModuleType,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen", "qwen2")
+    rc, _, err = _cli(capsys, ckpt, "--tp", "1", "--target", "sm_90", "--store", tmp_path / "e")
+    assert rc == 2
+    assert "converts Llama-family checkpoints only" in _one_error_line(err)
