@@ -6,6 +6,7 @@ then reports it, every rank exits non-zero, and nobody takes traffic.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +48,11 @@ class GateLog:
     """The gate timeline of one worker; thread-safe to read from the HTTP thread."""
 
     def __init__(self, t0: float | None = None) -> None:
+        # Times count from the launch (the supervisor records it) when known, so the
+        # timeline includes interpreter start-up and MPI bootstrap, not only the gates.
+        launched = os.environ.get("AOTLLM_LAUNCH_TIME")
+        if t0 is None and launched:
+            t0 = time.perf_counter() - max(0.0, time.time() - float(launched))
         self.t0 = time.perf_counter() if t0 is None else t0
         self.gates = [Gate(n) for n in GATE_NAMES]
         self._lock = threading.Lock()

@@ -73,8 +73,9 @@ class Rank0:
             engine = LLMEngine(runner, sc, self.comm)
             self.comm.allgather("admitted")
             self.comm.watch_peers(self._peer_failed)
-            self.state.open_admission(engine)
             ev.update(open=True, max_queue=self.cfg.max_queue, url=f"http://{self.cfg.host}:{self.http.port}/v1")
+        # Ready only once the gate is closed, so /health/ready never precedes the record.
+        self.state.open_admission(engine)
         return engine
 
     def _peer_failed(self, why: str) -> None:

@@ -76,9 +76,10 @@ class TrtllmRank0(Rank0):
             assert adapter is not None
             self.comm.allgather("admitted")
             self.comm.watch_peers(self._peer_failed)
-            self.state.open_admission(adapter)
             ev.update(open=True, max_queue=self.cfg.max_queue, executor="TensorRT-LLM",
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
+        # Ready only once the gate is closed, as Rank0.startup does.
+        self.state.open_admission(adapter)
         return adapter
 
     def run(self) -> int:
@@ -90,8 +91,10 @@ class TrtllmRank0(Rank0):
     def _serve(self, adapter: Any) -> None:  # type: ignore[override]
         deadline: float | None = None
         while True:
-            if adapter.error is not None:
-                self._peer_failed(adapter.error)  # exits: the job cannot serve without its Executor
+            if adapter.error is not None:  # the job cannot serve without its Executor
+                log.error("%s; exiting", adapter.error)
+                self.state.readiness.set("failed", adapter.error)
+                self.life.exit_now(1)
             if self.life.drain.is_set():
                 if deadline is None:
                     deadline = time.monotonic() + self.cfg.drain_timeout
@@ -105,8 +108,11 @@ class TrtllmRank0(Rank0):
         left = adapter.cancel_all()
         # Tell the other ranks this is an orderly end before their shutdown() returns.
         self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
-        adapter.shutdown()
-        log.info("Executor shut down (rank 0, the leader); the other ranks are released")
+        try:
+            adapter.shutdown()
+            log.info("Executor shut down (rank 0, the leader); the other ranks are released")
+        except Exception:
+            log.exception("Executor.shutdown() failed")
         t_end = time.monotonic() + 2
         while self.state.in_flight() and time.monotonic() < t_end:
             time.sleep(0.01)
@@ -114,7 +120,7 @@ class TrtllmRank0(Rank0):
         log.info("drained (%d request(s) cut at the deadline); exiting", left)
 
 
-def _watch_leader(comm: Comm, orderly: threading.Event) -> None:
+def _watch_leader(comm: Comm, orderly: threading.Event, life: Any) -> None:
     """Ranks > 0: rank 0 sends one shutdown plan before it shuts down; EOF without it means
     rank 0 died, and our shutdown() would wait for it forever."""
     try:
@@ -126,8 +132,7 @@ def _watch_leader(comm: Comm, orderly: threading.Event) -> None:
         pass
     if not orderly.is_set():
         log.error("lost rank 0 (the leader) before it shut down; exiting")
-        sys.stderr.flush()
-        os._exit(1)
+        life.exit_now(1)
 
 
 def serve_worker_trtllm(cfg: LaunchConfig, comm: Comm, life: Any) -> int:
@@ -141,7 +146,7 @@ def serve_worker_trtllm(cfg: LaunchConfig, comm: Comm, life: Any) -> int:
         print(f"error: rank {comm.rank}: {e}", file=sys.stderr)
         return 1
     orderly = threading.Event()
-    threading.Thread(target=_watch_leader, args=(comm, orderly), name="leader-watch",
+    threading.Thread(target=_watch_leader, args=(comm, orderly, life), name="leader-watch",
                      daemon=True).start()
     log.info("Executor constructed (not the leader); blocking in Executor.shutdown() until "
              "rank 0 shuts down")

@@ -46,6 +46,7 @@ class TrtllmStartup(Startup):
     kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
     executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
     adapter: TrtllmExecutor | None = None  # rank 0 only
+    digest: str = ""  # sha256 of this rank's plan, computed while loading it
 
     # ---- 1 resolve ---------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class TrtllmStartup(Startup):
         path = self.cfg.engine / f"rank{self.rank}.engine"
         floor, mode = floors.storage_read_gbps(path)
         t0 = time.perf_counter()
-        self._digest = hash_file(path)  # the one read: into the page cache, hashed on the way
+        self.digest = hash_file(path)  # the one read: into the page cache, hashed on the way
         secs = time.perf_counter() - t0
         size = path.stat().st_size
         gbps = size / secs / 1e9 if secs else 0.0
@@ -150,13 +151,13 @@ class TrtllmStartup(Startup):
         assert m is not None
         expected = {f.path: f.sha256 for f in m.rank_files(self.rank)}
         mine = f"rank{self.rank}.engine"
-        bad = [mine] if expected.get(mine) != self._digest else []
+        bad = [mine] if expected.get(mine) != self.digest else []
         checked = [mine]
         for rel in (TRTLLM_CONFIG, "model_config.json"):
             checked.append(rel)
             if rel not in expected or hash_file(self.cfg.engine / rel) != expected[rel]:
                 bad.append(rel)
-        ev.update(files=checked, sha256=self._digest[:16], hashed_while_loading=True)
+        ev.update(files=checked, sha256=self.digest[:16], hashed_while_loading=True)
         if bad:
             raise GateFailure(
                 "verify", f"{', '.join(bad)} does not match the manifest's sha256 (corrupted or "

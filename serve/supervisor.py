@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from serve.comm import Bootstrap, mpi_bootstrap
 
@@ -22,12 +23,17 @@ PARENT_FD_ENV = "AOTLLM_PARENT_FD"
 PLAN_FD_ENV = "AOTLLM_PLAN_FD"
 
 
+LAUNCH_TIME_ENV = "AOTLLM_LAUNCH_TIME"
+
+
 def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
+    launched = time.time()  # the interpreter's own start (~0.3 s) precedes this
     boot, listener = mpi_bootstrap(host)
     # The worker watches the read end: EOF means this supervisor is gone.
     parent_r, parent_w = os.pipe()
     env = dict(os.environ)
     env[Bootstrap.ENV] = boot.to_env()
+    env.setdefault(LAUNCH_TIME_ENV, repr(launched))
     env[PARENT_FD_ENV] = str(parent_r)
     fds = [parent_r]
     if listener is not None:

@@ -55,10 +55,20 @@ class Lifecycle:
         os._exit(code)
 
 
-def _setup_logging(level: str, rank: int) -> None:
+def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
     logging.raiseExceptions = False  # stderr may be a pipe to a launcher that is gone
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
+    fmt = f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=fmt)
+    if run_dir is not None:
+        # mpirun, and with it the workers' stderr, is gone 0.5 s into a drain: the drain's
+        # own messages are only visible here.
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+        except OSError:
+            return
+        handler.setFormatter(logging.Formatter(fmt))
+        logging.getLogger().addHandler(handler)
 
 
 def _torch_threads(comm: Comm) -> None:
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_fd = os.environ.get(PLAN_FD_ENV)
     listener = socket.socket(fileno=int(plan_fd)) if plan_fd else None
     rank = boot.rank if boot else 0
-    _setup_logging(cfg.log_level, rank)
+    _setup_logging(cfg.log_level, rank, cfg.run_dir)
     life = Lifecycle(cfg.run_dir, rank)
     _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
     rc = 1

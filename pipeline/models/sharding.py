@@ -77,11 +77,19 @@ def rules_for(cfg: ModelConfig) -> list[ShardRule]:
                 ShardRule(r.name.format(i=i), tuple(s.format(i=i) for s in r.sources), r.kind)
             )
     for r in GLOBAL_RULES:
-        sources = r.sources
+        # Tied: the head's shard is the embedding's shard (both split by vocabulary), so it
+        # is stored once and bound to both names at load (see bind_tied).
         if r.name == "lm_head.weight" and cfg.tie_word_embeddings:
-            sources = ("model.embed_tokens.weight",)
-        rules.append(ShardRule(r.name, sources, r.kind))
+            continue
+        rules.append(r)
     return rules
+
+
+def bind_tied(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full parameter set of a rank: the tied head shares the embedding's tensor."""
+    if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
+        weights = {**weights, "lm_head.weight": weights["embed_tokens.weight"]}
+    return weights
 
 
 def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:

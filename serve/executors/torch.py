@@ -10,7 +10,7 @@ from pipeline.convert import _open_weights, read_model_config
 from pipeline.models.config import ModelConfig
 from pipeline.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
 from pipeline.models.parallel import TPContext
-from pipeline.models.sharding import shard_state_dict
+from pipeline.models.sharding import bind_tied, shard_state_dict
 from serve.runner import ModelRunner, StepFn
 
 
@@ -19,6 +19,7 @@ def make_step_fn(
     engine_dir: Path | None = None, device: str = "cpu",
 ) -> StepFn:
     """The rank's step function with its weights bound (no copy of the weights)."""
+    weights = bind_tied(cfg, weights)
     if backend == "eager":
         model = build_model(cfg, tp, torch_dtype(dtype), "meta")
         bind_weights(model, weights)

@@ -23,6 +23,27 @@ helper = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helper)
 trtllm_fake = helper.trtllm_fake  # the fixture: `tensorrt_llm` is the fake inside the test
 
+def _host_reason() -> str | None:
+    """These tests play a CPU-only host where TensorRT-LLM is absent and the fake stands in."""
+    import importlib.util as iu
+
+    import torch
+
+    if iu.find_spec("tensorrt_llm") is not None:
+        return "a real tensorrt_llm is installed (the missing-package checks need it absent)"
+    if torch.cuda.is_available():
+        return "torch sees a GPU (the tests fix the GPU SM through the fake and AOTLLM_GPU_SM)"
+    return None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_only_host() -> None:
+    reason = _host_reason()
+    if reason is not None:
+        pytest.skip(f"contract-fake tests: {reason}")
+    os.environ.pop("AOTLLM_GPU_SM", None)  # each test that wants a GPU SM sets its own
+
+
 # Small, so warmup and the KV cache stay tiny; max_num_tokens < max_seq_len on purpose.
 PROFILE_ARGS = ("--max-batch-size", "4", "--max-num-tokens", "128", "--max-seq-len", "256")
 

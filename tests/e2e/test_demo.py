@@ -1,0 +1,29 @@
+"""`make demo` end to end on the real SmolLM2-135M-Instruct: build (aoti, TP=2, CPU), serve
+under mpirun, ask the demo question through the openai client, shut down cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, subprocess_env
+
+
+def test_demo_builds_serves_and_answers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    store = tmp_path_factory.mktemp("demo-store")
+    cmd = [sys.executable, "-m", "serve.demo", "--tp", "2", "--backend", "aoti", "--dtype", "bfloat16",
+           "--store", str(store)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1800)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    answer = next(line for line in out.splitlines() if line.startswith("A: "))
+    assert "Paris" in answer, answer
+    for gate in ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
+                 "kernels", "warmup", "admission"):
+        assert any(line.startswith(gate) for line in out.splitlines()), gate
+    assert "shutdown: clean, every rank exited 0" in out
+    engines = list(Path(store).glob("SmolLM2-135M-Instruct/*/rank1.pt2"))
+    assert len(engines) == 1

@@ -1,0 +1,47 @@
+"""A compiled (aoti) TP=2 engine computes what the eager engine and transformers compute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.build import build_engine
+from pipeline.config import BuildConfig, BuildProfile
+from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.runtime.hf_reference import last_logits, rel_err
+from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
+
+PROFILE = BuildProfile(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2_engines(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    store = tmp_path_factory.mktemp("engines")
+    out = {}
+    for backend in ("aoti", "eager"):
+        cfg = BuildConfig(model=str(tiny_models["llama_kv3"]), tp=2, backend=backend, dtype="float32",
+                          target="cpu", profile=PROFILE, store=str(store))
+        out[backend] = build_engine(cfg).engine_dir
+    return out
+
+
+def test_aoti_tp2_engine_matches_eager_and_transformers(
+    tiny_tp2_engines: dict[str, Path], tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    aoti, eager = tiny_tp2_engines["aoti"], tiny_tp2_engines["eager"]
+    assert (aoti / "rank0.pt2").is_file() and (aoti / "rank1.pt2").is_file()
+    out = tmp_path / "logits.json"
+    cmd = [*mpirun_cmd(2), sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti), str(eager)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    la, le = (torch.tensor(result[str(p)]["logits"]) for p in (aoti, eager))
+    assert la.shape == le.shape == (len(REFERENCE_TOKENS), 256)
+    for row_a, row_e, toks in zip(la, le, REFERENCE_TOKENS):
+        assert rel_err(row_a, row_e) < 1e-4
+        assert rel_err(row_a, last_logits(tiny_models["llama_kv3"], toks)) < 1e-4
