@@ -27,33 +27,47 @@ from pipeline.target import Target
 from serve.plan import ScheduledSeq
 from serve.runner import SeqState, prepare_inputs
 
+# One mixed step whose every dynamic size differs from the others and is >= 2 (export
+# specialises sizes 0 and 1, and may merge dimensions whose example sizes are equal):
+# tokens 15, decode rows 4 x 3 blocks, prefill rows 2 x chunk 7 x 5 blocks, 6 logit rows.
+_DECODES = 4  # each with 2 full blocks + 1 token: 3 blocks
+_PREFILLS = ((0, 7), (4, 4))  # (context blocks already computed, new tokens)
+
 
 def example_inputs(profile: BuildProfile, vocab: int) -> tuple[torch.Tensor, ...]:
-    """A mixed step whose every dynamic size is distinct and >= 2 (export specialises 0/1)."""
     bs = profile.tokens_per_block
     items: list[tuple[SeqState, ScheduledSeq]] = []
     next_block = 1
-    for i, (done, new, nblocks) in enumerate(((3 * bs - 1, 1, 3), (3 * bs - 1, 1, 3), (3 * bs, 1, 4),
-                                              (0, 5, 1), (bs, 3, 2))):
-        table = list(range(next_block, next_block + nblocks))
-        next_block += nblocks
+
+    def add(done: int, new: int) -> None:
+        nonlocal next_block
+        n = -(-(done + new) // bs)
+        table = list(range(next_block, next_block + n))
+        next_block += n
+        i = len(items)
         tokens = [(7 * i + j) % vocab for j in range(done + new)]
-        items.append((SeqState(tokens, table), ScheduledSeq(i, done, new, [], sample=i != 4)))
+        items.append((SeqState(tokens, table), ScheduledSeq(i, done, new, [], sample=True)))
+
+    for _ in range(_DECODES):
+        add(2 * bs, 1)
+    for ctx_blocks, new in _PREFILLS:
+        add(ctx_blocks * bs, new)
     args, _ = prepare_inputs(items, bs)
     return args
 
 
 def dynamic_shapes(profile: BuildProfile) -> tuple[dict[int, Dim], ...]:
+    # Ranges cover the profile (the scheduler never exceeds it) and the example above.
     b, m, t = profile.max_batch_size, profile.max_blocks_per_seq, profile.max_num_tokens
-    tokens = Dim("tokens", min=1, max=max(t, 2))
-    dec = Dim("decode_seqs", min=1, max=max(b, 2))
-    pf = Dim("prefill_seqs", min=1, max=max(b, 2))
+    tokens = Dim("tokens", min=1, max=max(t, 16))
+    dec = Dim("decode_seqs", min=1, max=max(b, _DECODES))
+    pf = Dim("prefill_seqs", min=1, max=max(b, len(_PREFILLS)))
     return (
         {0: tokens}, {0: tokens}, {0: tokens}, {0: tokens},
-        {0: dec}, {0: dec, 1: Dim("decode_blocks", min=1, max=max(m, 2))}, {0: dec},
-        {0: pf, 1: Dim("prefill_chunk", min=1, max=max(t, 2))},
-        {0: pf, 1: Dim("prefill_blocks", min=1, max=max(m, 2))},
-        {0: Dim("logit_rows", min=1, max=max(b, 2))},
+        {0: dec}, {0: dec, 1: Dim("decode_blocks", min=1, max=max(m, 3))}, {0: dec},
+        {0: pf, 1: Dim("prefill_chunk", min=1, max=max(t, 7))},
+        {0: pf, 1: Dim("prefill_blocks", min=1, max=max(m, 5))},
+        {0: Dim("logit_rows", min=1, max=max(b, 6))},
         {2: Dim("kv_blocks", min=2, max=1 << 24)},
     )
 
@@ -97,7 +111,12 @@ def compile_engine(
             torch._inductor.aoti_compile_and_package(
                 ep,
                 package_path=str(first),
-                inductor_configs={"aot_inductor.package_constants_in_so": False},
+                inductor_configs={
+                    "aot_inductor.package_constants_in_so": False,
+                    # Inductor otherwise inlines tiny parameters as literals: the vocabulary
+                    # offset would be rank 0's in every rank's program.
+                    "always_keep_tensor_constants": True,
+                },
             )
     paths = [first]
     for rank in range(1, tp):
