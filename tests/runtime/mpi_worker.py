@@ -18,8 +18,7 @@ from serve.engine import LLMEngine, worker_loop
 from serve.executors.torch import runner_from_checkpoint
 from serve.plan import NewSeq, ScheduledSeq, StepPlan
 from serve.scheduler import SchedulerConfig
-from serve.types import SamplingParams, TokenEvent
-from tests.runtime.test_engine import BLOCK, staggered_workload
+from tests.runtime.test_engine import BLOCK, run_staggered, staggered_workload
 
 PROMPTS = ([1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1])
 
@@ -39,29 +38,13 @@ def main() -> None:
         _, l2 = runner.execute(StepPlan(1, appended_tokens={0: 50, 1: 60}, scheduled=[
             ScheduledSeq(0, 7, 1, [], True), ScheduledSeq(1, 11, 1, [], True)]))
         entry: dict[str, object] = {"logits": torch.cat([l1, l2]).tolist()}
-        # In-flight batching: rank 0 schedules, the plans travel over MPI.
+        # In-flight batching: rank 0 schedules, the plans travel over the control plane.
         runner.seqs.clear()
         if comm.rank == 0:
             sc = SchedulerConfig(16, 32, BLOCK, 128, 256, cfg.eos_token_ids)
             engine = LLMEngine(runner, sc, comm)
-            work = staggered_workload()
-            outs: dict[str, list[int]] = {str(i): [] for i in range(len(work))}
-            done: set[str] = set()
-
-            def cb(ev: TokenEvent, outs=outs, done=done) -> None:
-                outs[ev.request_id].extend(ev.token_ids)
-                if ev.finish_reason:
-                    done.add(ev.request_id)
-
-            step = 0
-            while len(done) < len(work):
-                for i, (arrive, prompt, mt) in enumerate(work):
-                    if arrive == step:
-                        engine.add_request(str(i), prompt, SamplingParams(max_tokens=mt, temperature=0), cb)
-                engine.step()
-                step += 1
+            entry["generated"] = run_staggered(engine, staggered_workload())
             engine.shutdown_workers()
-            entry["generated"] = outs
         else:
             worker_loop(runner, comm)
         result[kind] = entry
