@@ -78,7 +78,7 @@ def throughput(
     ax.set_ylabel("output tokens/s")
     ax.set_title("Served throughput against concurrency")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     return _save(fig, path)
 
 
@@ -116,3 +116,40 @@ def warmup(ratios: dict[str, list[float | None]], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def render_all(res: dict[str, Any], out: Path, headline_level: int = 16) -> list[str]:
+    """Every chart a run's results allow; returns the PNG file names."""
+    made: list[str] = []
+    systems = res.get("systems", {})
+    ours = next((s for n, s in systems.items() if n.startswith("ours") and s.get("bars")), None)
+    if ours:
+        floors: dict[str, float] = {}
+        load, fl = ours.get("load"), res.get("floors", {})
+        if load and "storage_read" in fl:
+            floors["storage read"] = load["bytes"] / (fl["storage_read"]["gbs"] * 1e9)
+        if load and fl.get("memory_copy_gbs"):
+            floors["host copy"] = load["bytes"] / (max(fl["memory_copy_gbs"].values()) * 1e9)
+        others = {n: s["ready_s"] for n, s in systems.items()
+                  if not n.startswith("ours") and s.get("ready_s")}  # fmt: skip
+        made.append(waterfall(ours["bars"], floors, others, out / "cold_start.png").name)
+    series = {
+        n: [(x["concurrency"], x["output_tok_s"]) for x in s.get("sweep", [])]
+        for n, s in systems.items()
+    }
+    base = [(b["batch"], b["output_tok_s"]) for b in res.get("hf_baseline", [])
+            if b["dtype"] == "bfloat16"]  # fmt: skip
+    if any(series.values()):
+        dfl = res.get("floors", {}).get("decode_floor_bf16")
+        floor = [(1, dfl["batch1_tok_s"]), (16, dfl["batch16_tok_s"])] if dfl else None
+        made.append(throughput(series, base, out / "throughput.png", floor).name)
+        levels = sorted({x for pts in series.values() for x, _ in pts})
+        c = headline_level if headline_level in levels else levels[-1]
+        rows = {
+            n: lv for n, s in systems.items() for lv in s.get("sweep", []) if lv["concurrency"] == c
+        }
+        made.append(latency(rows, out / "latency.png", c).name)
+    ratios = {n: s["study"]["e2e_ratio"] for n, s in systems.items() if s.get("study")}
+    if ratios:
+        made.append(warmup(ratios, out / "warmup.png").name)
+    return made

@@ -101,8 +101,27 @@ def loadavg() -> str:
         return "unknown"
 
 
-def cpu_snapshot(pgid: int) -> tuple[float, float]:
-    """(CPU seconds busy on the whole machine, CPU seconds of process group `pgid` + this process).
+def session_stats(sid: int) -> dict[int, list[str]]:
+    """pid -> /proc/<pid>/stat fields from field 3 on, for every process in session `sid`.
+
+    A server started with start_new_session=True is the leader of its own session; mpirun's
+    ranks may sit in process groups of their own but stay in that session.
+    """
+    out: dict[int, list[str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            rest = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(rest[3]) == sid:  # rest[0] is field 3 (state); the session is field 6
+            out[int(proc.name)] = rest
+    return out
+
+
+def cpu_snapshot(sid: int) -> tuple[float, float]:
+    """(CPU seconds busy on the whole machine, CPU seconds of session `sid` + this process).
 
     The difference between two snapshots tells how much CPU other work took while we measured.
     """
@@ -112,14 +131,8 @@ def cpu_snapshot(pgid: int) -> tuple[float, float]:
     idle = jiffies[3] + (jiffies[4] if len(jiffies) > 4 else 0)  # idle + iowait
     busy = (sum(jiffies[:8]) - idle) / tick  # guest time is already inside user
     ours = sum(os.times()[:4])
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            rest = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(rest[2]) == pgid:  # rest[0] is field 3 (state); pgrp is field 5
+    for pid, rest in session_stats(sid).items():
+        if pid != os.getpid():
             ours += sum(int(x) for x in rest[11:15]) / tick  # utime stime cutime cstime
     return busy, ours
 

@@ -124,5 +124,12 @@ case "$what" in
   *) echo "usage: $0 [all|llama|gguf|vllm]" >&2; exit 2 ;;
 esac
 log "done; status:"
-cat "$STATUS"/*.txt 2>/dev/null
+for f in "$STATUS"/*.txt; do [[ -f "$f" ]] && printf '  %s: %s\n' "$(basename "$f" .txt)" "$(cat "$f")"; done
+# llama.cpp is the peer every comparison needs; vLLM for CPU is best effort (the benchmark
+# skips it with the recorded reason), so only a missing llama-server or GGUF fails the target.
+for need in llama gguf; do
+  if [[ "$what" == all || "$what" == "$need" ]] && ! grep -q '^ok' "$STATUS/$need.txt" 2>/dev/null; then
+    exit 1
+  fi
+done
 exit 0

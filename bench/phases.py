@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +38,22 @@ class Workload:
 STUDY_SEED, WARM_SEED, LEVEL_SEED = 1000, 2000, 3000
 
 
+def left(deadline: float) -> float:
+    """Seconds until a time.perf_counter() deadline (never below one, so a spec stays valid)."""
+    return max(deadline - time.perf_counter(), 1.0)
+
+
 def _spec(
-    running: Running, prompts: Sequence[list[int]], max_tokens: int, concurrency: int, n: int
+    running: Running,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    n: int,
+    deadline: float,
 ) -> LoadSpec:
+    # Bounded by the system's time budget: a slow system costs its own numbers, not the
+    # whole run's 40 minutes (requests cut short are counted as errors).
+    budget = left(deadline)
     return LoadSpec(
         base_url=running.spec.base_url,
         prompts=list(prompts),
@@ -47,18 +61,18 @@ def _spec(
         concurrency=concurrency,
         num_requests=n,
         extra_body=exact_length_body(max_tokens),
-        request_timeout_s=600.0,
-        total_timeout_s=900.0,
+        request_timeout_s=min(600.0, budget),
+        total_timeout_s=budget,
     )
 
 
-def warmup_study(running: Running, wl: Workload, tokenizer: Any) -> dict[str, Any]:
+def warmup_study(running: Running, wl: Workload, tokenizer: Any, deadline: float) -> dict[str, Any]:
     """Latency of each of the first requests after ready over the steady-state median."""
     from bench.prompts import make_prompts
 
     n = wl.study_first + wl.study_steady
     prompts = make_prompts(tokenizer, n, wl.prompt_len, seed=STUDY_SEED)
-    results, summary = run_load(_spec(running, prompts, wl.study_max_tokens, 1, n))
+    results, summary = run_load(_spec(running, prompts, wl.study_max_tokens, 1, n, deadline))
     first, steady = results[: wl.study_first], results[wl.study_first :]
     steady_e2e = median([r.e2e_s for r in steady if r.ok])
     steady_ttft = median([r.ttft_s for r in steady if r.ok])
@@ -78,22 +92,31 @@ def _brief(r: RequestResult) -> dict[str, Any]:
     return {"ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tokens": r.output_tokens, "error": r.error}
 
 
-def sweep(running: Running, wl: Workload, tokenizer: Any) -> list[dict[str, Any]]:
-    """Warm every system the same way, then throughput and latency at each concurrency."""
+def sweep(
+    running: Running, wl: Workload, tokenizer: Any, deadline: float
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Warm every system the same way, then throughput and latency at each concurrency.
+
+    Returns the measured levels and the levels skipped because the time budget ran out.
+    """
     from bench.prompts import make_prompts
 
     warm = make_prompts(tokenizer, wl.warm_requests, wl.prompt_len, seed=WARM_SEED)
-    run_load(_spec(running, warm, 16, min(16, wl.warm_requests), wl.warm_requests))
+    run_load(_spec(running, warm, 16, min(16, wl.warm_requests), wl.warm_requests, deadline))
     out: list[dict[str, Any]] = []
+    skipped: list[int] = []
     for c, n in zip(wl.levels, wl.requests_per_level, strict=True):
+        if deadline - time.perf_counter() < 5.0:
+            skipped.append(c)
+            continue
         prompts = make_prompts(tokenizer, n, wl.prompt_len, seed=LEVEL_SEED + c)
         before = cpu_snapshot(running.proc.pid)
-        _, summary = run_load(_spec(running, prompts, wl.max_tokens, c, n))
+        _, summary = run_load(_spec(running, prompts, wl.max_tokens, c, n, deadline))
         # Anything else running on these cores skews the numbers: keep the evidence.
         foreign = foreign_cpu_share(before, cpu_snapshot(running.proc.pid), summary.wall_s)
         out.append({**summary.to_dict(), "foreign_cpu_share": foreign})
         print(f"  {running.spec.name} c={c}: {_line(summary, foreign)}", flush=True)
-    return out
+    return out, skipped
 
 
 def _line(s: LoadSummary, foreign: float) -> str:
@@ -123,7 +146,8 @@ def gate_bars(report: dict[str, Any] | None, ready_s: float) -> list[dict[str, A
         return [{"name": "launch to ready", "start": 0.0, "seconds": ready_s}]
     ends = [float(g["start"]) + float(g.get("seconds") or 0.0) for g in gates]
     lead = max(ready_s - max(ends), 0.0)
-    bars = [{"name": "process start (mpirun, imports)", "start": 0.0, "seconds": lead}]
+    first = lead + min(float(g["start"]) for g in gates)
+    bars = [{"name": "process start (mpirun, imports, bind)", "start": 0.0, "seconds": first}]
     bars += [
         {"name": str(g["name"]), "start": lead + float(g["start"]),
          "seconds": float(g.get("seconds") or 0.0)}

@@ -12,65 +12,16 @@ import random
 from pathlib import Path
 from typing import Any
 
-_WORDS = [
-    "the",
-    "river",
-    "city",
-    "morning",
-    "engine",
-    "paper",
-    "garden",
-    "window",
-    "silver",
-    "market",
-    "quiet",
-    "number",
-    "letter",
-    "mountain",
-    "story",
-    "winter",
-    "table",
-    "orange",
-    "signal",
-    "kitchen",
-    "bridge",
-    "forest",
-    "music",
-    "planet",
-    "yellow",
-    "teacher",
-    "animal",
-    "summer",
-    "doctor",
-    "island",
-    "camera",
-    "pencil",
-    "ocean",
-    "village",
-    "station",
-    "language",
-    "history",
-    "science",
-    "friend",
-    "family",
-    "season",
-    "rocket",
-    "cloud",
-    "thunder",
-    "harbor",
-    "lantern",
-    "castle",
-    "journey",
-    "machine",
-    "painter",
-    "meadow",
-    "library",
-    "theater",
-    "whistle",
-    "blanket",
-    "festival",
-    "compass",
-]
+# Plain words, fixed, so the prompts are the same on every machine.
+_WORD_TEXT = (
+    "the river city morning engine paper garden window silver market quiet number "
+    "letter mountain story winter table orange signal kitchen bridge forest music "
+    "planet yellow teacher animal summer doctor island camera pencil ocean village "
+    "station language history science friend family season rocket cloud thunder "
+    "harbor lantern castle journey machine painter meadow library theater whistle "
+    "blanket festival compass"
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 def _text(rng: random.Random, words: int) -> str:

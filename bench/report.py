@@ -56,6 +56,44 @@ def headline(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def targets(res: dict[str, Any]) -> list[str]:
+    """The team's targets (issue 5), checked against this run for each server of ours."""
+    sys_ = res.get("systems", {})
+    llama = (_level(sys_.get("llama-server", {}), HEADLINE_LEVEL) or {}).get("output_tok_s")
+    nowarm = _max_ratio(sys_.get("ours-tp1-nowarmup", {}).get("study"))
+    lines = ["| target | " + " | ".join(n for n in sys_ if n in ("ours-tp1", "ours-tp2")) + " |"]
+    ours = [sys_[n] for n in ("ours-tp1", "ours-tp2") if n in sys_]
+    if not ours:
+        return ["No server of ours in this run."]
+    lines.append("|---|" + "---|" * len(ours))
+
+    def row(label: str, cell: Any) -> str:
+        return f"| {label} | " + " | ".join(cell(s) for s in ours) + " |"
+
+    def tput(s: dict[str, Any]) -> str:
+        t = (_level(s, HEADLINE_LEVEL) or {}).get("output_tok_s")
+        if t is None or llama is None:
+            return "n/a"
+        return f"{'met' if t >= llama else 'missed'} ({t:.0f} vs {llama:.0f} tok/s)"
+
+    def ready(s: dict[str, Any]) -> str:
+        r = s.get("ready_s")
+        return "n/a" if r is None else f"{'met' if r < 10 else 'missed'} ({r:.1f} s)"
+
+    def warm(s: dict[str, Any]) -> str:
+        m = _max_ratio(s.get("study"))
+        return "n/a" if math.isnan(m) else f"{'met' if m <= 1.1 else 'missed'} ({m:.2f}x)"
+
+    lines += [
+        row(f"throughput @{HEADLINE_LEVEL} >= llama-server", tput),
+        row("launch to ready < 10 s", ready),
+        row("first 10 requests within 1.1x of steady state (warmup auto)", warm),
+        f"\nWithout warmup (ours-tp1-nowarmup) the worst of the first 10 requests was "
+        f"{_f(nowarm, '.2f', unit='x')} the steady-state median.",
+    ]
+    return lines
+
+
 def _sweep_table(res: dict[str, Any]) -> list[str]:
     lines = [
         "| system | concurrency | requests | errors | length mismatches | output tok/s "
@@ -123,12 +161,12 @@ def _distance(res: dict[str, Any]) -> list[str]:
 
 def _cold_start(res: dict[str, Any]) -> list[str]:
     lines = [
-        "| system | launch to ready (s) | page cache dropped | load average at launch |",
-        "|---|---|---|---|",
+        "| system | launch to ready (s) | page cache dropped | load average at launch | note |",
+        "|---|---|---|---|---|",
     ]
     lines += [
         f"| {n} | {_f(s.get('ready_s'), '.2f')} | {s.get('page_cache_dropped', False)} "
-        f"| {s.get('loadavg_at_launch', '')} |"
+        f"| {s.get('loadavg_at_launch', '')} | {s.get('compile_cache', '')} |"
         for n, s in res.get("systems", {}).items()
         if s.get("status") == "ok"
     ]
@@ -170,40 +208,6 @@ def _warmup_table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _charts(res: dict[str, Any], out: Path) -> list[str]:
-    made: list[str] = []
-    systems = res.get("systems", {})
-    ours = next((s for n, s in systems.items() if n.startswith("ours") and s.get("bars")), None)
-    if ours:
-        floors: dict[str, float] = {}
-        load, fl = ours.get("load"), res.get("floors", {})
-        if load and "storage_read" in fl:
-            floors["storage read"] = load["bytes"] / (fl["storage_read"]["gbs"] * 1e9)
-        if load and fl.get("memory_copy_gbs"):
-            floors["host copy"] = load["bytes"] / (max(fl["memory_copy_gbs"].values()) * 1e9)
-        others = {n: s["ready_s"] for n, s in systems.items()
-                  if not n.startswith("ours") and s.get("ready_s")}  # fmt: skip
-        made.append(charts.waterfall(ours["bars"], floors, others, out / "cold_start.png").name)
-    series = {
-        n: [(x["concurrency"], x["output_tok_s"]) for x in s.get("sweep", [])]
-        for n, s in systems.items()
-    }
-    base = [(b["batch"], b["output_tok_s"]) for b in res.get("hf_baseline", [])
-            if b["dtype"] == "bfloat16"]  # fmt: skip
-    if any(series.values()):
-        dfl = res.get("floors", {}).get("decode_floor_bf16")
-        floor = [(1, dfl["batch1_tok_s"]), (16, dfl["batch16_tok_s"])] if dfl else None
-        made.append(charts.throughput(series, base, out / "throughput.png", floor).name)
-        levels = sorted({x for pts in series.values() for x, _ in pts})
-        c = HEADLINE_LEVEL if HEADLINE_LEVEL in levels else levels[-1]
-        rows = {n: lv for n, s in systems.items() if (lv := _level(s, c))}
-        made.append(charts.latency(rows, out / "latency.png", c).name)
-    ratios = {n: s["study"]["e2e_ratio"] for n, s in systems.items() if s.get("study")}
-    if ratios:
-        made.append(charts.warmup(ratios, out / "warmup.png").name)
-    return made
-
-
 def contention_notes(res: dict[str, Any]) -> list[str]:
     """Levels measured while other processes took a noticeable share of the CPU."""
     cores = int(res.get("machine", {}).get("cores") or 1)
@@ -222,7 +226,7 @@ def contention_notes(res: dict[str, Any]) -> list[str]:
 
 
 def render(res: dict[str, Any], out: Path) -> str:
-    pngs = _charts(res, out)
+    pngs = charts.render_all(res, out, HEADLINE_LEVEL)
     res.setdefault("notes", [])
     res["notes"] = [n for n in res["notes"] if not n.startswith("CONTENDED")]
     res["notes"] += contention_notes(res)
@@ -236,6 +240,10 @@ def render(res: dict[str, Any], out: Path) -> str:
         "## Headline",
         "",
         *headline(res),
+        "",
+        "Targets:",
+        "",
+        *targets(res),
         "",
         "## Machine and versions",
         "",

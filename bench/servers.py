@@ -7,6 +7,7 @@ benchmark fails half way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, cmdline, llama_server_bin, vllm_python
+from bench.common import REPO, cmdline, llama_server_bin, session_stats, vllm_python
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,11 @@ class Running:
 def ours_spec(
     engine_dir: Path, port: int, tp: int = 1, warmup: str = "auto", name: str | None = None
 ) -> ServerSpec:
-    venv = REPO / ".venv" / "bin"
+    from pipeline.mpi import mpirun_argv  # the project's own flags (--bind-to none on CPU)
+
     argv = (
-        str(venv / "mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", str(tp),
-        str(venv / "python"), "-m", "serve", "launch", "--engine", str(engine_dir),
-        "--port", str(port), "--warmup", warmup,
+        *mpirun_argv(tp), str(REPO / ".venv" / "bin" / "python"), "-m", "serve", "launch",
+        "--engine", str(engine_dir), "--port", str(port), "--warmup", warmup,
     )  # fmt: skip
     return ServerSpec(name or f"ours-tp{tp}", argv, port, "/health/ready")
 
@@ -77,7 +78,11 @@ def llama_spec(gguf: Path, port: int, parallel: int = 16, ctx_per_slot: int = 51
     return ServerSpec("llama-server", argv, port, "/health")
 
 
-def vllm_spec(hf_dir: Path, port: int, kv_gib: int = 2, max_model_len: int = 512) -> ServerSpec:
+def vllm_spec(
+    hf_dir: Path, port: int, cache_root: Path, kv_gib: int = 2, max_model_len: int = 512
+) -> ServerSpec:
+    """vLLM for CPU; `cache_root` (VLLM_CACHE_ROOT) empty means a true cold start: vLLM
+    compiles its graphs before ready and would otherwise reuse an earlier start's."""
     argv = (
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
@@ -85,7 +90,8 @@ def vllm_spec(hf_dir: Path, port: int, kv_gib: int = 2, max_model_len: int = 512
     )  # fmt: skip
     # OpenMP threads on every core, as llama-server's -t 2 and our ranks get on this machine.
     cores = f"0-{(os.cpu_count() or 1) - 1}"
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": cores}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": cores,
+           "VLLM_CACHE_ROOT": str(cache_root)}  # fmt: skip
     return ServerSpec("vllm", argv, port, "/health", env=env, ready_timeout_s=900.0)
 
 
@@ -111,36 +117,29 @@ def get_json(url: str, timeout: float = 5.0) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the whole process group, then SIGKILL whatever is still there."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        proc.wait()
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; a straggler in the group still gets the next signal.
-        if not _group_alive(pgid):
-            break
-    proc.poll()
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> list[int]:
+    """SIGTERM the server's process group (mpirun forwards it to its ranks), then SIGKILL
+    everything left in its session. Returns the pids that had to be killed."""
+    sid = proc.pid  # start_new_session=True: the server leads its own session
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if not _alive(sid):
+            return []
+        time.sleep(0.1)
+    killed = _alive(sid)
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+    return killed
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _alive(sid: int) -> list[int]:
+    return sorted(pid for pid, st in session_stats(sid).items() if st[0] != "Z")  # Z: zombie
 
 
 @contextmanager
@@ -174,7 +173,9 @@ def serve(spec: ServerSpec, log_dir: Path, poll_s: float = 0.05) -> Iterator[Run
             time.sleep(poll_s)
         yield Running(spec, proc, time.perf_counter() - t0, log_path)
     finally:
-        stop(proc)
+        killed = stop(proc)
+        if killed:
+            print(f"{spec.name}: did not exit on SIGTERM; killed {killed}", flush=True)
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -1,0 +1,103 @@
+"""Which served systems a run measures, how each is launched, and its share of the time."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import common
+from bench.servers import ServerSpec, llama_spec, ours_spec, vllm_spec
+
+SYSTEMS = ("ours-tp1", "ours-tp1-nowarmup", "ours-tp2", "llama-server", "vllm")
+
+# Seconds each system may take, launch to last request, so that `make bench` ends within
+# 40 minutes on 2 cores even when one system is far slower than expected. vLLM gets the
+# most: about two minutes of it is compiling before ready.
+BUDGET_S = {
+    "ours-tp1": 420.0,
+    "ours-tp1-nowarmup": 240.0,
+    "ours-tp2": 420.0,
+    "llama-server": 300.0,
+    "vllm": 600.0,
+}
+QUICK_BUDGET_S = 240.0
+TOTAL_BUDGET_S = 38 * 60.0  # the whole run, builds included; 2 minutes kept for the report
+# vLLM's compile cache for the run, emptied before its launch (see fresh_vllm_cache).
+VLLM_CACHE = common.cache_dir() / "vllm-compile-cache"
+
+
+@dataclass(frozen=True)
+class Planned:
+    name: str
+    spec: ServerSpec | None  # None: skipped, for `why`
+    why: str = ""
+    sweep: bool = True  # ours-tp1-nowarmup only answers the warmup question
+
+
+def tp_of(name: str) -> int:
+    return 2 if name == "ours-tp2" else 1
+
+
+def build_engine(sh: Callable[[list[str]], str], hf_dir: Path, tp: int) -> Path:
+    """`pipeline build` prints the engine directory last; a second build is a cache hit."""
+    argv = [str(common.VENV_PYTHON), "-m", "pipeline", "build", str(hf_dir), "--tp", str(tp),
+            "--dtype", "bfloat16"]  # fmt: skip
+    return Path(sh(argv).strip().splitlines()[-1].strip())
+
+
+def plan(
+    hf_dir: Path,
+    skip: Sequence[str],
+    given: dict[int, Path | None],
+    sh: Callable[[list[str]], str],
+) -> list[Planned]:
+    """One entry per system in run order; engines of ours are built (or reused) first."""
+    engines: dict[int, Path | str] = {}
+    for tp in sorted({tp_of(n) for n in SYSTEMS if n.startswith("ours") and n not in skip}):
+        try:
+            engines[tp] = given.get(tp) or build_engine(sh, hf_dir, tp)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+            engines[tp] = f"engine build failed: {exc}"
+    out: list[Planned] = []
+    for name in SYSTEMS:
+        if name in skip:
+            out.append(Planned(name, None, "skipped on the command line"))
+        elif name.startswith("ours"):
+            eng = engines[tp_of(name)]
+            if isinstance(eng, str):
+                out.append(Planned(name, None, eng))
+                continue
+            warm = "none" if name.endswith("nowarmup") else "auto"
+            spec = ours_spec(eng, common.free_port(), tp_of(name), warm, name)
+            out.append(Planned(name, spec, sweep=warm == "auto"))
+        elif name == "llama-server":
+            gguf = common.gguf_for(hf_dir)
+            if common.llama_server_bin().exists() and gguf.exists():
+                out.append(Planned(name, llama_spec(gguf, common.free_port())))
+            else:
+                why = f"{common.peer_status('llama')}; gguf: {common.peer_status('gguf')}"
+                out.append(Planned(name, None, f"not installed ({why})"))
+        elif common.peer_status("vllm").startswith("ok") and common.vllm_python().exists():
+            spec = vllm_spec(hf_dir, common.free_port(), VLLM_CACHE)
+            out.append(Planned(name, spec))
+        else:
+            out.append(Planned(name, None, f"not installed ({common.peer_status('vllm')})"))
+    return out
+
+
+def engine_files(planned: Sequence[Planned]) -> list[Path]:
+    """The files our TP=1 server reads at load (weights and compiled kernels)."""
+    for p in planned:
+        if p.spec is not None and p.name == "ours-tp1":
+            engine = Path(p.spec.argv[p.spec.argv.index("--engine") + 1])
+            return sorted(f for f in engine.iterdir() if f.suffix in (".safetensors", ".pt2"))
+    return []
+
+
+def fresh_vllm_cache() -> None:
+    """Empty the run's vLLM cache so its launch compiles, as on a fresh machine."""
+    shutil.rmtree(VLLM_CACHE, ignore_errors=True)
+    VLLM_CACHE.mkdir(parents=True)
