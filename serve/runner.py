@@ -94,6 +94,9 @@ class ModelRunner:
     def __init__(self, step_fn: StepFn, kv_cache: torch.Tensor, block_size: int) -> None:
         self.step_fn = step_fn
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D]
+        # The step function takes each layer's K and V cache as its own (contiguous) tensor.
+        self.k_caches = [kv_cache[i, 0] for i in range(kv_cache.shape[0])]
+        self.v_caches = [kv_cache[i, 1] for i in range(kv_cache.shape[0])]
         self.block_size = block_size
         self.seqs: dict[int, SeqState] = {}
         self.keepalive: object = None  # what the step function's weights are views of
@@ -122,5 +125,5 @@ class ModelRunner:
             return [], None
         args, sampled = prepare_inputs(items, self.block_size)
         dev = self.kv_cache.device
-        logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.kv_cache)
+        logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.k_caches, self.v_caches)
         return sampled, logits[: len(sampled)]

@@ -56,10 +56,11 @@ def example_inputs(profile: BuildProfile, vocab: int) -> tuple[torch.Tensor, ...
     return args
 
 
-def dynamic_shapes(profile: BuildProfile) -> tuple[dict[int, Dim], ...]:
+def dynamic_shapes(profile: BuildProfile, layers: int) -> tuple[object, ...]:
     # Ranges cover the profile (the scheduler never exceeds it) and the example above.
     b, m, t = profile.max_batch_size, profile.max_blocks_per_seq, profile.max_num_tokens
     tokens = Dim("tokens", min=1, max=max(t, 16))
+    kv_blocks = Dim("kv_blocks", min=2, max=1 << 24)
     dec = Dim("decode_seqs", min=1, max=max(b, _DECODES))
     pf = Dim("prefill_seqs", min=1, max=max(b, len(_PREFILLS)))
     return (
@@ -68,7 +69,8 @@ def dynamic_shapes(profile: BuildProfile) -> tuple[dict[int, Dim], ...]:
         {0: pf, 1: Dim("prefill_chunk", min=1, max=max(t, 7))},
         {0: pf, 1: Dim("prefill_blocks", min=1, max=max(m, 5))},
         {0: Dim("logit_rows", min=1, max=max(b, 6))},
-        {2: Dim("kv_blocks", min=2, max=1 << 24)},
+        [{0: kv_blocks}] * layers,
+        [{0: kv_blocks}] * layers,
     )
 
 
@@ -101,9 +103,12 @@ def compile_engine(
         model = build_model(cfg, TPContext(0, tp), td, device)
         args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
         kv = torch.zeros(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), dtype=td, device=device)
+        k_caches = [kv[i, 0] for i in range(cfg.num_hidden_layers)]
+        v_caches = [kv[i, 1] for i in range(cfg.num_hidden_layers)]
         with progress.stage("export"), torch.inference_mode(False), torch.no_grad():
             ep = torch.export.export(
-                model, (*args, kv), dynamic_shapes=dynamic_shapes(profile), strict=False
+                model, (*args, k_caches, v_caches),
+                dynamic_shapes=dynamic_shapes(profile, cfg.num_hidden_layers), strict=False,
             )
         del model
         first = engine_dir / "rank0.pt2"

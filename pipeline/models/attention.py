@@ -12,8 +12,8 @@ and GQA broadcasts query groups over a KV head instead of copying KV heads. The 
 pads an empty group with one dummy row that points at the null block, so every shape is
 at least 1 and one compiled program serves every mix.
 
-Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim];
-slot = block * block_size + offset.
+Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], each
+its own argument; slot = block * block_size + offset.
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ class AttentionMetadata:
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    block_index: torch.Tensor, block_offset: torch.Tensor,
 ) -> None:
-    """k, v [T, Hk, D] -> the cache rows named by slot_mapping [T] (in place)."""
-    nb, bs, hk, d = k_cache.shape
-    k_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+    """k, v [T, Hk, D] -> cache[block_index, block_offset] (in place).
+
+    An index_put_ on the cache argument itself, never on a view of it: AOTInductor then
+    writes in place, where a write through a view of a larger input compiles into a copy of
+    the whole cache on every step.
+    """
+    k_cache.index_put_((block_index, block_offset), k)
+    v_cache.index_put_((block_index, block_offset), v)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

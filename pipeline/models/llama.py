@@ -45,11 +45,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        block_index: torch.Tensor, block_offset: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k = apply_rope(q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), positions, inv_freq)
-        write_kv(k_cache, v_cache, k, v.view(t, self.hk, self.d), meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v.view(t, self.hk, self.d), block_index, block_offset)
         return self.o_proj(paged_attention(q, k_cache, v_cache, positions, meta, self.scale))
 
 
@@ -98,18 +99,21 @@ class LlamaForCausalLM(nn.Module):
         pf_q_index: torch.Tensor,  # [Bp, Q]
         pf_block_tables: torch.Tensor,  # [Bp, Mp]
         logits_index: torch.Tensor,  # [L]
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, Hk, D]
+        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, Hk, D], written in place
+        v_caches: list[torch.Tensor],  # per layer, likewise
     ) -> torch.Tensor:  # [L, vocab] float32
         meta = AttentionMetadata(
             slot_mapping, out_index, dec_q_index, dec_block_tables, dec_ctx_lens,
             pf_q_index, pf_block_tables,
         )
+        block_size = k_caches[0].shape[1]
+        block_index, block_offset = slot_mapping // block_size, slot_mapping % block_size
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = h
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(residual)
             residual = residual + layer.self_attn(
-                x, positions, self.inv_freq, kv_cache[i, 0], kv_cache[i, 1], meta
+                x, positions, self.inv_freq, k_caches[i], v_caches[i], meta, block_index, block_offset
             )
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         h = self.norm(residual[logits_index])  # [L, hidden]
