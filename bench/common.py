@@ -102,22 +102,29 @@ def loadavg() -> str:
 
 
 def session_stats(sid: int) -> dict[int, list[str]]:
-    """pid -> /proc/<pid>/stat fields from field 3 on, for every process in session `sid`.
+    """pid -> /proc/<pid>/stat fields from field 3 on, for every process in session `sid`
+    and every descendant of those processes.
 
     A server started with start_new_session=True is the leader of its own session; mpirun's
-    ranks may sit in process groups of their own but stay in that session.
+    ranks may sit in process groups of their own but stay in that session, and our serving
+    workers are their children in sessions of their own (see serve/supervisor.py).
     """
-    out: dict[int, list[str]] = {}
+    stats: dict[int, list[str]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            rest = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            stats[int(proc.name)] = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(rest[3]) == sid:  # rest[0] is field 3 (state); the session is field 6
-            out[int(proc.name)] = rest
-    return out
+    # rest[0] is field 3 (state), rest[1] the parent (field 4), rest[3] the session (field 6)
+    members = {pid for pid, rest in stats.items() if int(rest[3]) == sid}
+    grew = True
+    while grew:
+        children = {pid for pid, rest in stats.items() if int(rest[1]) in members} - members
+        members |= children
+        grew = bool(children)
+    return {pid: stats[pid] for pid in members}
 
 
 def cpu_snapshot(sid: int) -> tuple[float, float]:
