@@ -17,13 +17,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {args[0]!r} — the command is `serve launch`", file=sys.stderr)
         return 2
     try:
-        cfg = parse(args[1:])  # validate before MPI starts, so bad flags cost nothing
+        parse(args[1:])  # validate before MPI starts, so bad flags cost nothing
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from serve.supervisor import supervise
 
-    del cfg
     return supervise(args[1:])
 
 
