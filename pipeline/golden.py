@@ -124,27 +124,17 @@ def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile:
         record = _run_local(engine_dir, backend, dtype, profile.tokens_per_block)
         assert record is not None
         return record
-    from pipeline.mpi import mpirun_argv
+    from pipeline.mpi import child_env, mpirun_argv
 
     out = engine_dir / ".golden.json"
     cmd = [*mpirun_argv(tp), sys.executable, "-m", "pipeline.golden", str(engine_dir), backend,
            dtype, str(profile.tokens_per_block), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"the golden run under mpirun failed: {proc.stderr.strip()[-2000:]}")
     record = json.loads(out.read_text())
     out.unlink()
     return record
-
-
-def _child_env() -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 if __name__ == "__main__":

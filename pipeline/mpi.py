@@ -19,3 +19,13 @@ def mpirun_argv(n: int) -> list[str]:
     # One host, ranks >= cores is fine for CPU engines; binding would pin every rank to
     # one core of our 2.
     return [*argv, "--oversubscribe", "--bind-to", "none", "-n", str(n)]
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child Python of this project: the repo importable, one OpenMP
+    thread per rank unless the caller chose otherwise (ranks share the host's cores)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from pipeline.mpi import child_env, mpirun_argv
+
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 
 
 def mpirun_cmd(n: int) -> list[str]:
-    mpirun = shutil.which("mpirun", path=str(VENV_BIN)) or shutil.which("mpirun") or "mpirun"
-    return [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n)]
+    return mpirun_argv(n)
 
 
 def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return child_env()
 
 
 def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overrides: object) -> Path:
