@@ -211,8 +211,8 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     """Run the built engine through the Executor (under mpirun when tp > 1: LEADER mode wants
     one MPI rank per engine rank) and record the golden prompt's greedy tokens. Token ids
     only: a TensorRT engine returns no logits unless built to gather them."""
-    from pipeline.golden import GOLDEN_PROMPT, GOLDEN_STEPS, _child_env, golden_prompt_ids
-    from pipeline.mpi import mpirun_argv
+    from pipeline.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
+    from pipeline.mpi import child_env, mpirun_argv
 
     prompt = golden_prompt_ids(engine_dir, load_model_config(engine_dir).vocab_size)[:64]
     io = engine_dir / ".golden.json"  # removed before the engine's files are hashed
@@ -221,7 +221,7 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     if tp > 1:
         cmd = [*mpirun_argv(tp), *cmd]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         tokens = json.loads(io.read_text()).get("tokens")
         if proc.returncode != 0 or tokens is None:
             tail = " ".join((proc.stderr or proc.stdout).strip().split())[-1500:]
