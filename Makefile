@@ -28,17 +28,18 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 demo-model: $(STAMP)
-	$(BIN)/python -m pipeline.demo
+	$(BIN)/python -m demo.model
 
 build-engine: $(STAMP)
-	$(BIN)/pipeline build $(or $(MODEL),$$($(BIN)/python -m pipeline.demo | tail -n 1)) \
+	$(BIN)/pipeline build $(or $(MODEL),$$($(BIN)/python -m demo.model | tail -n 1)) \
 		--tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
 
 # Build (or reuse) the SmolLM2 demo engine at TP=2, serve it under mpirun, ask one question.
 demo: $(STAMP)
-	$(BIN)/python -m serve.demo --tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
+	$(BIN)/python -m demo --tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
 
 bench-peers: $(STAMP)
 	bash bench/peers.sh

@@ -36,12 +36,12 @@ def peer_status(name: str) -> str:
 
 
 def demo_checkpoint() -> Path:
-    """The demo Hugging Face checkpoint: $BENCH_HF_DIR, else `python -m pipeline.demo`."""
+    """The demo Hugging Face checkpoint: $BENCH_HF_DIR, else `python -m demo.model`."""
     env = os.environ.get("BENCH_HF_DIR")
     if env:
         return Path(env)
     out = subprocess.run(
-        [str(VENV_PYTHON), "-m", "pipeline.demo"],
+        [str(VENV_PYTHON), "-m", "demo.model"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -49,10 +49,10 @@ def demo_checkpoint() -> Path:
     )
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
-        raise RuntimeError(f"python -m pipeline.demo failed: {out.stderr.strip()[-500:]}")
+        raise RuntimeError(f"python -m demo.model failed: {out.stderr.strip()[-500:]}")
     path = Path(lines[-1].strip())
     if not (path / "config.json").exists():
-        raise RuntimeError(f"pipeline.demo printed {path}, which has no config.json")
+        raise RuntimeError(f"demo.model printed {path}, which has no config.json")
     return path
 
 

@@ -6,7 +6,7 @@ bfloat16 and float32, with transformers at the same batch sizes, in one run:
 
     python -m bench.executor_throughput [--hf-dir DIR | --engine DIR] [--quick]
 
-Uses the in-process API `serve.engine.LLMEngine`: from_checkpoint (TP=1, eager) or
+Uses the in-process API `runtime.engine.LLMEngine`: from_checkpoint (TP=1, eager) or
 from_engine_dir (a built TP=1 engine, aoti or eager); generate(prompts, params) runs the
 in-flight batching loop to completion.
 """
@@ -40,16 +40,34 @@ class Row:
 
 def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, batch: int) -> Any:
     """A built TP=1 engine (aoti or eager, its own dtype), or an eager one from the checkpoint."""
-    from serve.engine import LLMEngine
+    from contract.manifest import read_manifest
+    from contract.profile import BuildProfile
+    from runtime.engine import LLMEngine
+    from runtime.executors.torch import runner_from_checkpoint, runner_from_engine
+    from runtime.models.parallel import TPContext
+    from runtime.scheduler import SchedulerConfig
 
     if engine_dir is not None:
-        return LLMEngine.from_engine_dir(engine_dir)
-    return LLMEngine.from_checkpoint(hf_dir, dtype=dtype, max_batch_size=max(batch, 1))
+        m = read_manifest(engine_dir)
+        if m.tp != 1:
+            raise SystemExit(f"{engine_dir} is a TP={m.tp} engine; this benchmark runs TP=1")
+        p = m.profile
+    else:
+        assert hf_dir is not None
+        p = BuildProfile(max_batch_size=max(batch, 1))
+    blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
+    if engine_dir is not None:
+        runner, cfg = runner_from_engine(engine_dir, m.backend, m.dtype, TPContext(), blocks,
+                                         p.tokens_per_block)
+    else:
+        runner, cfg = runner_from_checkpoint(hf_dir, TPContext(), dtype, blocks, p.tokens_per_block)
+    return LLMEngine(runner, SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block,
+                                             blocks, p.max_seq_len, cfg.eos_token_ids))
 
 
 def executor_tok_s(engine: Any, prompts: Sequence[list[int]], new_tokens: int) -> float:
     """Output tokens/s of one generate call over all prompts submitted at once."""
-    from serve.types import SamplingParams
+    from runtime.types import SamplingParams
 
     params = [
         SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=SEED + i)
@@ -104,7 +122,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m pipeline.demo")
+    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
     ap.add_argument("--engine", type=Path, default=None, help="a built engine (its own dtype)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16])

@@ -97,7 +97,7 @@ def format_table(results: Sequence[GenerateResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m pipeline.demo")
+    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 new tokens")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))

@@ -74,11 +74,11 @@ step_convert_venv() {
 step_gguf() {
   local hf_dir="${DEMO_HF_DIR:-}"
   if [[ -z "$hf_dir" ]]; then
-    if [[ ! -f "$REPO/pipeline/demo.py" ]]; then
-      record gguf "pending: pipeline/demo.py does not exist yet (rerun later)"; return 1
+    if [[ ! -f "$REPO/demo/model.py" ]]; then
+      record gguf "pending: demo/model.py does not exist yet (rerun later)"; return 1
     fi
-    hf_dir="$(cd "$REPO" && .venv/bin/python -m pipeline.demo | tail -n 1)" \
-      || { record gguf "failed: python -m pipeline.demo"; return 1; }
+    hf_dir="$(cd "$REPO" && .venv/bin/python -m demo.model | tail -n 1)" \
+      || { record gguf "failed: python -m demo.model"; return 1; }
   fi
   [[ -f "$hf_dir/config.json" ]] || { record gguf "failed: no config.json in '$hf_dir'"; return 1; }
   local out="$CACHE/gguf/$(basename "$hf_dir")-bf16.gguf"

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny counts, 2 levels")
     ap.add_argument("--engine-tp1", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--engine-tp2", type=Path, default=None, help="default: pipeline build")
-    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m pipeline.demo")
+    ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
     ap.add_argument("--skip", nargs="*", default=[], choices=systems.SYSTEMS)
     ap.add_argument("--warm-start", action="store_true", help="do not drop the page cache")
     ap.add_argument("--no-latest", action="store_true", help="leave bench/results/latest alone")

@@ -60,7 +60,7 @@ class Running:
 def ours_spec(
     engine_dir: Path, port: int, tp: int = 1, warmup: str = "auto", name: str | None = None
 ) -> ServerSpec:
-    from pipeline.mpi import mpirun_argv  # the project's own flags (--bind-to none on CPU)
+    from runtime.mpi import mpirun_argv  # the project's own flags (--bind-to none on CPU)
 
     argv = (
         *mpirun_argv(tp), str(REPO / ".venv" / "bin" / "python"), "-m", "serve", "launch",

@@ -9,30 +9,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import BuildConfig
-from pipeline.errors import BuildError
-from pipeline.manifest import (
-    FileEntry,
+from safetensors import safe_open
+
+from contract.errors import BuildError
+from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
+from contract.manifest import (
     Manifest,
     Source,
+    engine_files,
     engine_id,
     engine_inputs,
     hash_engine_files,
     read_manifest,
-    toolchain_versions,
     write_manifest,
 )
-from pipeline.models.config import ModelConfig
+from contract.target import Target
+from pipeline.config import BuildConfig
 from pipeline.progress import Progress
 from pipeline.resolve import (
-    TOKENIZER_FILES,
     ResolvedSource,
     cache_root,
     checkpoint_digest,
@@ -40,23 +42,14 @@ from pipeline.resolve import (
     resolve,
 )
 from pipeline.store import EngineStore
-from pipeline.target import Target, detect_target
+from pipeline.target import detect_target, trtllm_target
+from pipeline.toolchain import toolchain_versions
+from runtime.loader import ST_DTYPES
+from runtime.models.config import ModelConfig
+from runtime.models.factory import torch_dtype
 
 # Copied from the checkpoint beside the shards (config.json is written by the converter).
-ENGINE_EXTRA_FILES = (*TOKENIZER_FILES, "generation_config.json")
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_ST_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "BF16": 2,
-    "F16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
+ENGINE_EXTRA_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +60,6 @@ class BuildResult:
     cache_hit: bool  # True: an identical engine existed; nothing was converted or compiled
     stages: dict[str, float]  # the stages that ran, in order -> seconds
     manifest: Manifest
-    files: tuple[FileEntry, ...] = field(default=())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
 
 
 class _Clock:
@@ -114,25 +102,19 @@ def estimate_engine_bytes(local_dir: Path, dtype: str, backend: str = "eager", t
     """Bytes the engine will take, erring high: every weight cast to ``dtype`` plus 30% (a tied
     embedding stored twice, KV heads replicated across ranks), the tokenizer, and room for
     each rank's compiled package."""
+    itemsize = torch_dtype(dtype).itemsize
     weights = 0
     other = 0
     for p in checkpoint_files(local_dir):
         if p.suffix != ".safetensors":
             other += p.stat().st_size
             continue
-        with p.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            numel = 1
-            for s in t["shape"]:
-                numel *= s
-            float_like = t["dtype"] in ("F64", "F32", "BF16", "F16")
-            weights += numel * (
-                _DTYPE_BYTES[dtype] if float_like else _ST_DTYPE_BYTES.get(t["dtype"], 4)
-            )
+        with safe_open(str(p), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = f.get_slice(name)
+                numel = math.prod(t.get_shape())
+                stored = ST_DTYPES[t.get_dtype()].itemsize
+                weights += numel * (itemsize if ST_DTYPES[t.get_dtype()].is_floating_point else stored)
     packages = (64 << 20) * tp if backend == "aoti" else 0
     return int(weights * 1.3) + other + packages + (16 << 20)
 
@@ -167,12 +149,7 @@ def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
 
 def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
     _check_backend(cfg)  # first: a missing TensorRT-LLM is the one thing to say
-    if cfg.backend == "trtllm":
-        from pipeline.compile.trtllm import trtllm_target
-
-        target = trtllm_target(cfg.target)
-    else:
-        target = detect_target(cfg.target)
+    target = trtllm_target(cfg.target) if cfg.backend == "trtllm" else detect_target(cfg.target)
     if cfg.backend == "eager" and target.device == "cpu":
         # Eager shards are plain tensors: no ISA is baked in, so record none and let the
         # engine (and its id) be the same whichever x86 host built it.
@@ -212,7 +189,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
     if existing is not None:
         manifest = read_manifest(existing)
         progress.message(f"cache hit: engine {eid} already built at {existing}")
-        return BuildResult(existing, eid, src.name, True, clock.stages, manifest, manifest.files)
+        return BuildResult(existing, eid, src.name, True, clock.stages, manifest)
 
     need = estimate_engine_bytes(src.local_dir, cfg.dtype, cfg.backend, cfg.tp)
     with store.staging(src.name, eid, need_bytes=need) as tmp:
@@ -251,7 +228,9 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
 
                 golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
         with clock("hash"):
-            files = hash_engine_files(tmp, progress)
+            total = sum(p.stat().st_size for p in engine_files(tmp))
+            with progress.stage("hash", total=total, unit="B") as st:
+                files = hash_engine_files(tmp, st.advance)
         manifest = Manifest(
             engine_id=eid,
             model_name=src.name,
@@ -268,4 +247,4 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
         with clock("commit"):
             write_manifest(tmp, manifest)
             final = store.commit(tmp, src.name, eid)
-    return BuildResult(final, eid, src.name, False, clock.stages, manifest, files)
+    return BuildResult(final, eid, src.name, False, clock.stages, manifest)

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from pipeline.config import BACKENDS, DTYPES, BuildConfig, BuildProfile
-from pipeline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
+from contract.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
+from contract.profile import BACKENDS, DTYPES, BuildProfile
+from pipeline.config import BuildConfig
 from pipeline.progress import Progress, format_bytes
 
 _DEFAULTS = BuildProfile()
@@ -143,10 +144,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pipeline.manifest import check_engine_files, read_manifest
+    from contract.manifest import check_engine_files, read_manifest
 
     manifest = read_manifest(args.engine_dir)
-    problems = check_engine_files(args.engine_dir, manifest, Progress(sys.stderr))
+    with Progress(sys.stderr).stage("verify", total=manifest.total_size, unit="B") as st:
+        problems = check_engine_files(args.engine_dir, manifest, st.advance)
     for path, reason in problems:
         print(f"error: {path}: {reason} — the engine is damaged; rebuild it", file=sys.stderr)
     if problems:
@@ -157,7 +159,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipeline.manifest import read_manifest
+    from contract.manifest import read_manifest
 
     m = read_manifest(args.engine_dir)
     if args.json:

@@ -1,133 +1,27 @@
-"""The golden record: a canonical prompt and what the built engine computes for it.
-
-At build time the engine runs the prompt greedily for a few steps and records each step's
-token and its top logits. At serve time (warmup gate) the loaded engine is teacher-forced
-along the recorded tokens and its logits at the recorded ids must match within a tolerance
-that covers legitimate floating-point noise (thread counts, kernel choice) but not a
-corrupted, truncated or swapped shard.
-
-Usage under MPI (build of a TP>1 engine):
-    mpirun -n TP python -m pipeline.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json
-"""
+"""The build's golden run: the freshly built engine runs the golden prompt on every rank
+(under mpirun when TP > 1) and its tokens and top logits go into the manifest."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from pipeline.config import BuildProfile
-from serve.plan import NewSeq, ScheduledSeq, StepPlan
-from serve.runner import ModelRunner
-
-GOLDEN_PROMPT = "The capital of France is"
-GOLDEN_STEPS = 8
-TOP_K = 5
-# Relative to the largest recorded |logit|: noise across runs is far below these; a wrong
-# or corrupted shard moves logits by a large fraction of their range.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 6e-2, "float16": 3e-2}
-GOLDEN_SEQ_ID = -1
-
-
-def golden_prompt_ids(engine_dir: Path, vocab_size: int) -> list[int]:
-    try:
-        from transformers import AutoTokenizer
-
-        ids = AutoTokenizer.from_pretrained(engine_dir).encode(GOLDEN_PROMPT)
-        if ids:
-            return list(ids)
-    except Exception:
-        pass
-    return [(17 * i + 3) % vocab_size for i in range(8)]
-
-
-def run_golden(
-    runner: ModelRunner, prompt: list[int], steps: int, forced: list[int] | None = None,
-    send: Callable[[StepPlan], None] | None = None,
-) -> tuple[list[int], list[list[tuple[int, float]]]]:
-    """Greedy (or teacher-forced along `forced`) steps; returns tokens and top logits.
-
-    Uses KV blocks 1.. of the runner's cache, so it must run before admission opens.
-    """
-    bs = runner.block_size
-    total = len(prompt) + steps
-    blocks = list(range(1, (total + bs - 1) // bs + 1))
-    tokens: list[int] = []
-    tops: list[list[tuple[int, float]]] = []
-    for i in range(steps):
-        if i == 0:
-            plan = StepPlan(0, new_seqs=[NewSeq(GOLDEN_SEQ_ID, list(prompt))],
-                            scheduled=[ScheduledSeq(GOLDEN_SEQ_ID, 0, len(prompt), blocks, True)])
-        else:
-            plan = StepPlan(i, appended_tokens={GOLDEN_SEQ_ID: tokens[-1]},
-                            scheduled=[ScheduledSeq(GOLDEN_SEQ_ID, len(prompt) + i - 1, 1, [], True)])
-        if send:
-            send(plan)
-        _, logits = runner.execute(plan)
-        assert logits is not None
-        vals, ids = logits[0].float().topk(TOP_K)
-        tops.append([(int(t), float(v)) for t, v in zip(ids, vals)])
-        tokens.append(forced[i] if forced else int(ids[0]))
-    done = StepPlan(steps, freed_seq_ids=[GOLDEN_SEQ_ID])
-    if send:
-        send(done)
-    runner.apply(done)
-    return tokens, tops
-
-
-def check_golden(record: dict[str, Any], observed: list[list[tuple[int, float]]], dtype: str) -> tuple[bool, str]:
-    """Compare teacher-forced logits at the recorded top ids; (ok, evidence)."""
-    scale = max(1.0, *(abs(v) for step in record["top_logits"] for _, v in step))
-    tol = TOLERANCE[dtype] * scale
-    worst = 0.0
-    for want, got in zip(record["top_logits"], observed):
-        got_map = dict(got)
-        for tok, v in want:
-            # A recorded top id that fell out of our top-k is a mismatch of at least the gap.
-            diff = abs(got_map[tok] - v) if tok in got_map else abs(got[-1][1] - v) + tol
-            worst = max(worst, diff)
-    ok = worst <= tol
-    return ok, f"max logit deviation {worst:.3g} over {len(observed)} steps (tolerance {tol:.3g})"
-
-
-def _run_local(engine_dir: Path, backend: str, dtype: str, block_size: int) -> dict[str, Any] | None:
-    """Run the golden prompt on this process's rank; returns the record on rank 0."""
-    from pipeline.models.parallel import TPContext
-    from serve.comm import Comm
-    from serve.engine import worker_loop
-    from serve.executors.torch import runner_from_engine
-
-    comm = Comm.from_mpi()
-    comm.init_process_group("gloo")
-    tp = TPContext(comm.rank, comm.size)
-    blocks = (64 + GOLDEN_STEPS) // block_size + 2
-    runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size)
-    if comm.rank != 0:
-        worker_loop(runner, comm)
-        return None
-    prompt = golden_prompt_ids(engine_dir, cfg.vocab_size)[:64]
-    tokens, tops = run_golden(runner, prompt, GOLDEN_STEPS, send=comm.send_plan)
-    if comm.size > 1:
-        comm.send_plan(StepPlan(-1, shutdown=True))
-    return {"prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt, "tokens": tokens,
-            "top_logits": tops, "dtype": dtype}
+from contract.profile import BuildProfile
+from runtime.golden import run_local
+from runtime.mpi import child_env, mpirun_argv
 
 
 def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile: BuildProfile) -> dict[str, Any]:
     """Run the freshly built engine on every rank (under mpirun when tp > 1)."""
     if tp == 1:
-        record = _run_local(engine_dir, backend, dtype, profile.tokens_per_block)
+        record = run_local(engine_dir, backend, dtype, profile.tokens_per_block)
         assert record is not None
         return record
-    from pipeline.mpi import child_env, mpirun_argv
-
     out = engine_dir / ".golden.json"
-    cmd = [*mpirun_argv(tp), sys.executable, "-m", "pipeline.golden", str(engine_dir), backend,
+    cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.golden", str(engine_dir), backend,
            dtype, str(profile.tokens_per_block), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode != 0 or not out.exists():
@@ -135,11 +29,3 @@ def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile:
     record = json.loads(out.read_text())
     out.unlink()
     return record
-
-
-if __name__ == "__main__":
-    _dir, _backend, _dtype, _bs, _out = sys.argv[1:6]
-    torch.set_num_threads(1)
-    rec = _run_local(Path(_dir), _backend, _dtype, int(_bs))
-    if rec is not None:
-        Path(_out).write_text(json.dumps(rec))

@@ -8,39 +8,27 @@ inside the converter.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import BuildError
-from pipeline.manifest import CHUNK, hash_file
+from safetensors import SafetensorError, safe_open
+
+from contract.errors import BuildError
+from contract.layout import TOKENIZER_FILES
+from contract.manifest import CHUNK
 from pipeline.progress import Progress
 
 # Files that make up a checkpoint's identity: weights, architecture, tokenizer, chat template.
 WEIGHT_GLOB = "*.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json", INDEX_FILE)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # What an hf:// snapshot needs; keeps us from downloading .bin, .gguf or onnx copies too.
 HF_ALLOW_PATTERNS = [WEIGHT_GLOB, *CONFIG_FILES, *TOKENIZER_FILES]
-COMPLETE_MARKER = ".complete"
 _HF_URI = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 
 
@@ -71,7 +59,9 @@ def resolve(
         return _resolve_hf(model)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
-        return _resolve_gguf(model, path, cache_dir, progress)
+        from pipeline.gguf import resolve_gguf
+
+        return resolve_gguf(model, path, cache_dir, progress)
     if not path.exists():
         raise BuildError(
             f"model {model!r} does not exist",
@@ -133,34 +123,16 @@ def check_checkpoint(local_dir: Path) -> None:
 
 
 def check_safetensors(path: Path) -> None:
-    """Parse the header and check that the data section has exactly the size it declares."""
-    remedy = "the file is truncated or corrupt; re-download or re-save the checkpoint"
+    """Parse the header and check that the data section has exactly the size it declares
+    (safetensors refuses a file its header does not cover exactly)."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise BuildError(f"{path} is not a safetensors file (only {size} bytes)", remedy)
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 << 20):
-                raise BuildError(f"{path} is not a safetensors file (bad header length)", remedy)
-            header = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
         raise BuildError(
-            f"{path} is not a safetensors file ({e.__class__.__name__})", remedy
+            f"{path} is not a valid safetensors file ({' '.join(str(e).split())})",
+            "the file is truncated or corrupt; re-download or re-save the checkpoint",
         ) from e
-    if not isinstance(header, dict):
-        raise BuildError(f"{path} is not a safetensors file (header is not a table)", remedy)
-    try:
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise BuildError(f"{path} has a malformed safetensors header ({e})", remedy) from e
-    if 8 + n + max(ends, default=0) != size:
-        raise BuildError(
-            f"{path} is corrupt: its header describes {8 + n + max(ends, default=0)} bytes "
-            f"but the file has {size}",
-            remedy,
-        )
 
 
 def checkpoint_files(local_dir: Path) -> list[Path]:
@@ -241,86 +213,3 @@ def _resolve_hf(uri: str) -> ResolvedSource:
     )
 
 
-def _resolve_gguf(
-    uri: str, path: Path, cache_dir: Path, progress: Progress | None
-) -> ResolvedSource:
-    check_gguf(path)
-    sha = hash_file(path, progress, label="digest gguf")
-    out = cache_dir / "gguf" / f"{safe_name(path.stem)}-{sha[:16]}"
-    if not (out / COMPLETE_MARKER).is_file():
-        dequantize_gguf(path, out, progress)
-    check_checkpoint(out)
-    return ResolvedSource(
-        uri=uri, local_dir=out, revision=f"sha256:{sha}", kind="gguf", name=safe_name(path.stem)
-    )
-
-
-def check_gguf(path: Path) -> None:
-    if not path.is_file():
-        raise BuildError(f"GGUF file {path} does not exist", "check the path")
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise BuildError(
-            f"cannot read GGUF file {path} ({e.strerror})", "check the file's permissions"
-        ) from e
-    if magic != b"GGUF":
-        raise BuildError(
-            f"{path} is not a GGUF file (bad magic {magic!r})", "give a complete .gguf model file"
-        )
-
-
-def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None) -> Path:
-    """Dequantize a GGUF into a float32 Hugging Face checkpoint (with tokenizer) at ``out_dir``.
-
-    Written to a temporary sibling and renamed, with a completion marker, so an interrupted
-    run is redone rather than reused. float32 because Q4/Q8 blocks dequantize (scale x int +
-    min) exactly in float32 and not in bfloat16; the build casts to the engine dtype anyway.
-    """
-    check_gguf(gguf)
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    progress = progress or Progress.silent()
-    try:
-        with progress.stage("dequantize gguf"):
-            try:
-                # The GGUF loader draws its own tqdm bar, which ignores transformers' switch.
-                with contextlib.redirect_stderr(io.StringIO()):
-                    model = AutoModelForCausalLM.from_pretrained(
-                        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-                    )
-                    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            except Exception as e:  # transformers raises many types for a bad file
-                raise BuildError(
-                    f"cannot read GGUF file {gguf}: {e.__class__.__name__}: {e}",
-                    "give a complete llama-family .gguf file that transformers can dequantize",
-                ) from e
-            # The loaded model still says it is GGUF-quantized; saving it so would make
-            # from_pretrained look for a GGUF again. Drop both traces of the quantizer.
-            if getattr(model.config, "quantization_config", None) is not None:
-                del model.config.quantization_config
-            if hasattr(model, "hf_quantizer"):
-                del model.hf_quantizer
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / COMPLETE_MARKER).write_text(
-                json.dumps({"gguf": gguf.name, "dtype": "float32"}) + "\n"
-            )
-        if out_dir.exists() and not (out_dir / COMPLETE_MARKER).is_file():
-            shutil.rmtree(out_dir)  # left by a run that predates the marker or was tampered with
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not (out_dir / COMPLETE_MARKER).is_file():  # not a concurrent twin that won
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import EXIT_FAILURE, BuildError
-from pipeline.manifest import MANIFEST_NAME, Manifest, read_manifest
+from contract.errors import EXIT_FAILURE, BuildError
+from contract.layout import MANIFEST_NAME
+from contract.manifest import Manifest, read_manifest
 from pipeline.progress import format_bytes
 
 _TMP = re.compile(r"^\.tmp-(?P<id>[0-9a-f]+)-(?P<pid>\d+)$")

@@ -29,7 +29,7 @@ class GateFailure(Exception):
 @dataclass(slots=True)
 class Gate:
     name: str
-    state: str = "pending"  # pending | running | passed | failed | skipped
+    state: str = "pending"  # pending | running | passed | failed
     start: float | None = None  # seconds since launch
     end: float | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -75,12 +75,6 @@ class GateLog:
             self._close(gate, "failed", f"{type(e).__name__}: {e}")
             raise GateFailure(name, f"{type(e).__name__}: {e}", "see the worker log") from e
         self._close(gate, "passed", None)
-
-    def skip(self, name: str, why: str) -> None:
-        gate = self.get(name)
-        now = time.perf_counter() - self.t0
-        with self._lock:
-            gate.state, gate.start, gate.end, gate.reason = "skipped", now, now, why
 
     def _close(self, gate: Gate, state: str, reason: str | None) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from serve.comm import Bootstrap, mpi_bootstrap
+from runtime.comm import Bootstrap, mpi_bootstrap
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"
 PLAN_FD_ENV = "AOTLLM_PLAN_FD"

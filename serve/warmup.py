@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pipeline.config import BuildProfile
-from serve.comm import Comm
-from serve.plan import NewSeq, ScheduledSeq, StepPlan
-from serve.runner import ModelRunner
+from contract.profile import BuildProfile
+from runtime.comm import Comm
+from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.runner import ModelRunner
 
 PHASE_DONE = -2  # step id of the plan that ends a driven phase on ranks > 0
 _SEQ_BASE = -1000

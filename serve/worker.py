@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from serve.comm import Bootstrap, Comm
+from runtime.comm import Bootstrap, Comm
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig, parse
 from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
@@ -88,40 +88,24 @@ def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
         print(f"error: {e} — choose another --port or stop the other server", file=sys.stderr)
         return 2
     log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)", cfg.host, http.port)
-    from pipeline.compile.trtllm import is_trtllm_engine
-
-    if is_trtllm_engine(cfg.engine):  # TensorRT-LLM's Executor instead of our engine loop
-        from serve.serve_trtllm import TrtllmRank0
-
-        return TrtllmRank0(cfg, comm, life, state, http).run()
     return Rank0(cfg, comm, life, state, http).run()
 
 
-def serve_worker(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
-    from pipeline.compile.trtllm import is_trtllm_engine
-    from serve.engine import worker_loop
+def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
+    """Ranks > 0: the same gates as rank 0, then what the backend does while rank 0 serves."""
     from serve.startup import Startup
 
-    if is_trtllm_engine(cfg.engine):
-        from serve.serve_trtllm import serve_worker_trtllm
-
-        return serve_worker_trtllm(cfg, comm, life)
     st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
     try:
-        for name in ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
-                     "kernels", "warmup"):
-            st.gate(name, getattr(st, name))
+        backend = st.run()
         comm.allgather("admitted")
     except GateFailure as e:
         print(f"error: rank {comm.rank}: {e}", file=sys.stderr)
         return 1
-    assert st.runner is not None
-    try:
-        worker_loop(st.runner, comm)
-    except (ConnectionError, OSError) as e:
-        log.error("lost rank 0 (%s); exiting", e)
-        return 1
-    return 0
+    rc = backend.follow(life.exit_now)
+    if rc == 0:
+        backend.finalize()
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         comm = Comm(boot, listener)
         _torch_threads(comm)
-        rc = serve_rank0(cfg, comm, life) if rank == 0 else serve_worker(cfg, comm, life)
+        rc = serve_rank0(cfg, comm, life) if rank == 0 else serve_follower(cfg, comm, life)
     except (ConnectionError, OSError) as e:
         print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
     finally:

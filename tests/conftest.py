@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.mpi import child_env, mpirun_argv
+from runtime.mpi import child_env, mpirun_argv
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,14 +18,15 @@ import torch
 import torch.distributed as dist
 from torch.export import Dim
 
-from pipeline.config import BuildProfile
-from pipeline.models.config import ModelConfig
-from pipeline.models.factory import build_model, kv_cache_shape, torch_dtype
-from pipeline.models.parallel import TPContext
+from contract.layout import rank_package
+from contract.profile import BuildProfile
+from contract.target import Target
 from pipeline.progress import Progress
-from pipeline.target import Target
-from serve.plan import ScheduledSeq
-from serve.runner import SeqState, prepare_inputs
+from runtime.models.config import ModelConfig
+from runtime.models.factory import build_model, kv_cache_shape, torch_dtype
+from runtime.models.parallel import TPContext
+from runtime.plan import ScheduledSeq
+from runtime.runner import SeqState, prepare_inputs
 
 # One mixed step whose every dynamic size differs from the others and is >= 2 (export
 # specialises sizes 0 and 1, and may merge dimensions whose example sizes are equal):
@@ -111,7 +112,7 @@ def compile_engine(
                 dynamic_shapes=dynamic_shapes(profile, cfg.num_hidden_layers), strict=False,
             )
         del model
-        first = engine_dir / "rank0.pt2"
+        first = engine_dir / rank_package(0)
         with progress.stage("compile"):
             torch._inductor.aoti_compile_and_package(
                 ep,
@@ -125,19 +126,7 @@ def compile_engine(
             )
     paths = [first]
     for rank in range(1, tp):
-        dst = engine_dir / f"rank{rank}.pt2"
+        dst = engine_dir / rank_package(rank)
         shutil.copyfile(first, dst)
         paths.append(dst)
     return paths
-
-
-def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
-    """Load a compiled package and bind a rank's weights (kept by the caller: user managed)."""
-    pkg = torch._inductor.aoti_load_package(str(path), device_index=0 if device == "cuda" else -1)
-    names = set(pkg.get_constant_fqns())
-    missing = names - set(weights)
-    if missing:
-        raise ValueError(f"{path.name}: the shard lacks constants {sorted(missing)[:5]}")
-    pkg.load_constants({k: v for k, v in weights.items() if k in names},
-                       check_full_update=True, user_managed=True)
-    return pkg

@@ -1,5 +1,4 @@
-"""`--backend trtllm`: TensorRT-LLM 1.2.x conversion and engine build, and the host probes
-(GPU SM, TensorRT-LLM and TensorRT versions) that the build records and serve checks.
+"""`--backend trtllm`: TensorRT-LLM 1.2.x conversion and engine build.
 
 Written against shared/reference/tensorrt-llm-1.2-api.md (§1.1-§1.4), the documented Python
 path: per rank, `LLaMAForCausalLM.from_hugging_face(hf_dir, dtype, mapping=Mapping(...))`,
@@ -11,105 +10,24 @@ which other backends keep in config.json, lives in `model_config.json` beside it
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from pipeline.config import BuildProfile
-from pipeline.errors import EXIT_FAILURE, BuildError
-from pipeline.models.config import ModelConfig
+from contract.errors import EXIT_FAILURE, BuildError
+from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
+from contract.profile import BuildProfile
 from pipeline.progress import Progress
-from pipeline.target import Target
+from runtime.checkpoint import read_model_config, write_engine_model_config
+from runtime.executors.trtllm import import_trtllm, load_model_config
+from runtime.models.config import ModelConfig
 
-TRTLLM_CONFIG = "config.json"  # TensorRT-LLM's EngineConfig (rank 0 writes it)
-MODEL_CONFIG = "model_config.json"  # ours: {"model": ModelConfig, "hf_config": ...}
 CHECKPOINT_DIR = ".trtllm-checkpoint"  # inside the staging dir; removed before hashing
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
-# Only consulted when torch cannot query the GPU itself (a CPU-only torch beside TensorRT-LLM,
-# or the test suite's contract fake, which has no CUDA): the GPU's SM, e.g. sm_90 or 9.0.
-SM_ENV = "AOTLLM_GPU_SM"
-INSTALL = (
-    "pip install '.[trtllm]' --extra-index-url https://pypi.nvidia.com "
-    "(TensorRT-LLM 1.2.x and its TensorRT) on a host with an NVIDIA GPU"
-)
-
-
-def is_trtllm_engine(engine_dir: Path) -> bool:
-    """Whether the engine's manifest says backend "trtllm" (False when it cannot be read:
-    the torch resolve gate then says why)."""
-    try:
-        return json.loads((Path(engine_dir) / "manifest.json").read_text())["backend"] == "trtllm"
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def import_trtllm() -> ModuleType:
-    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage)."""
-    return importlib.import_module("tensorrt_llm")
-
-
-def trtllm_versions() -> dict[str, str]:
-    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT."""
-    try:
-        tllm = import_trtllm()
-        trt = importlib.import_module("tensorrt")
-    except ImportError as e:
-        raise BuildError(f"TensorRT-LLM or TensorRT is not installed ({e})", INSTALL) from e
-    return {"tensorrt_llm": str(tllm.__version__), "tensorrt": str(trt.__version__)}
-
-
-def normalize_sm(raw: str) -> str | None:
-    """'sm_90', 'sm90', '90' or '9.0' -> 'sm_90'; None when it is not an SM."""
-    m = re.fullmatch(r"(?:sm_?)?(\d+)\.?(\d)", raw.strip().lower())
-    return f"sm_{int(m.group(1))}{m.group(2)}" if m else None
-
-
-def gpu_sm() -> str | None:
-    """The SM of the GPU this process would use: torch's CUDA first, then AOTLLM_GPU_SM."""
-    from pipeline.target import _cuda_sm
-
-    sm = _cuda_sm()
-    if sm is not None:
-        return sm
-    raw = os.environ.get(SM_ENV)
-    return normalize_sm(raw) if raw else None
-
-
-def trtllm_target(requested: str) -> Target:
-    """The target of a TensorRT engine: TensorRT builds for the GPU it runs on."""
-    if requested == "cpu":
-        raise BuildError(
-            "TensorRT-LLM engines run on NVIDIA GPUs only, not --target cpu",
-            "use --target auto or sm_XX on the GPU host, or --backend aoti for a CPU engine",
-        )
-    have = gpu_sm()
-    if requested.startswith("sm"):
-        want = normalize_sm(requested)
-        if want is None:
-            raise BuildError(f"unknown --target {requested!r}", "give an SM such as sm_90")
-        if have is not None and have != want:
-            raise BuildError(
-                f"--target {want} was requested but this host's GPU is {have}; TensorRT builds "
-                "an engine for the GPU it runs on",
-                f"build on a host with an {want} GPU, or use --target {have}",
-            )
-        return Target(device="cuda", sm=want)
-    if requested not in ("auto", "cuda"):
-        raise BuildError(f"unknown --target {requested!r}", "use auto, cuda or an SM such as sm_90")
-    if have is None:
-        raise BuildError(
-            "cannot tell this host's GPU SM (torch sees no CUDA device)",
-            f"pass --target sm_XX (the GPU's compute capability) or set {SM_ENV}",
-        )
-    return Target(device="cuda", sm=have)
 
 
 def check_source(hf_config: dict[str, Any]) -> None:
@@ -144,15 +62,9 @@ def make_build_config(profile: BuildProfile) -> Any:
 
 
 def write_model_config(hf_dir: Path, engine_dir: Path) -> ModelConfig:
-    hf = json.loads((hf_dir / "config.json").read_text())
-    cfg = ModelConfig.from_hf_config(hf)
-    text = json.dumps({"model": cfg.to_dict(), "hf_config": hf}, indent=2, sort_keys=True)
-    (engine_dir / MODEL_CONFIG).write_text(text)
+    cfg, hf = read_model_config(hf_dir)
+    write_engine_model_config(engine_dir, cfg, hf, MODEL_CONFIG_TRTLLM)
     return cfg
-
-
-def load_model_config(engine_dir: Path) -> ModelConfig:
-    return ModelConfig.from_dict(json.loads((engine_dir / MODEL_CONFIG).read_text())["model"])
 
 
 def convert_and_build(
@@ -199,7 +111,7 @@ def convert_and_build(
         ) from e
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
-    missing = [n for n in (TRTLLM_CONFIG, *(f"rank{r}.engine" for r in range(tp)))
+    missing = [n for n in (TRTLLM_CONFIG, *(rank_trt_engine(r) for r in range(tp)))
                if not (engine_dir / n).is_file()]
     if missing:
         raise BuildError(f"TensorRT-LLM did not write {', '.join(missing)}",
@@ -211,8 +123,8 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     """Run the built engine through the Executor (under mpirun when tp > 1: LEADER mode wants
     one MPI rank per engine rank) and record the golden prompt's greedy tokens. Token ids
     only: a TensorRT engine returns no logits unless built to gather them."""
-    from pipeline.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
-    from pipeline.mpi import child_env, mpirun_argv
+    from runtime.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
+    from runtime.mpi import child_env, mpirun_argv
 
     prompt = golden_prompt_ids(engine_dir, load_model_config(engine_dir).vocab_size)[:64]
     io = engine_dir / ".golden.json"  # removed before the engine's files are hashed

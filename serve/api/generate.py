@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from runtime.types import Executor, TokenEvent
 from serve.api.detok import OutputText
 from serve.api.prompt import build_sampling_params, encode_prompt
 from serve.api.protocol import (
@@ -29,7 +30,6 @@ from serve.api.protocol import (
     parse_json_body,
 )
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
-from serve.types import Executor, TokenEvent
 
 log = logging.getLogger(__name__)
 BODY_READ_TIMEOUT_S = 30.0

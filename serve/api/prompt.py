@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runtime.types import SamplingParams
 from serve.api.protocol import ApiError, GenerationRequest
-from serve.types import SamplingParams
 
 GREEDY_EPS = 1e-5
 

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from runtime.types import Executor
 from serve.metrics import ServingMetrics
-from serve.types import Executor
 
 Phase = Literal["starting", "ready", "draining", "failed"]
 PHASES: tuple[Phase, ...] = ("starting", "ready", "draining", "failed")

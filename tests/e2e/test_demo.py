@@ -14,7 +14,7 @@ from tests.conftest import REPO, subprocess_env
 
 def test_demo_builds_serves_and_answers(tmp_path_factory: pytest.TempPathFactory) -> None:
     store = tmp_path_factory.mktemp("demo-store")
-    cmd = [sys.executable, "-m", "serve.demo", "--tp", "2", "--backend", "aoti", "--dtype", "bfloat16",
+    cmd = [sys.executable, "-m", "demo", "--tp", "2", "--backend", "aoti", "--dtype", "bfloat16",
            "--store", str(store)]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1800)
     out = proc.stdout

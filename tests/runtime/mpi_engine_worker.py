@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.manifest import read_manifest
-from pipeline.models.parallel import TPContext
-from serve.comm import Comm
-from serve.executors.torch import runner_from_engine
-from serve.plan import NewSeq, ScheduledSeq, StepPlan
+from contract.manifest import read_manifest
+from runtime.comm import Comm
+from runtime.executors.torch import runner_from_engine
+from runtime.models.parallel import TPContext
+from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 
 A, B, C = [1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1], [7, 7, 7, 1, 2]
 REFERENCE_TOKENS = [A, B, [*A, 50], C, [*B, 60]]

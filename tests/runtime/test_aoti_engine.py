@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.profile import BuildProfile
 from pipeline.build import build_engine
-from pipeline.config import BuildConfig, BuildProfile
+from pipeline.config import BuildConfig
 from tests.conftest import REPO, mpirun_cmd, subprocess_env
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS

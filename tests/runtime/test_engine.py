@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models.parallel import TPContext
-from serve.engine import LLMEngine
-from serve.executors.torch import runner_from_checkpoint
-from serve.plan import NewSeq, ScheduledSeq, StepPlan
-from serve.scheduler import SchedulerConfig
-from serve.types import SamplingParams, TokenEvent
+from runtime.engine import LLMEngine
+from runtime.executors.torch import runner_from_checkpoint
+from runtime.models.parallel import TPContext
+from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.scheduler import SchedulerConfig
+from runtime.types import SamplingParams, TokenEvent
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 
 BLOCK = 4

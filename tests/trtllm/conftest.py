@@ -95,8 +95,9 @@ def engine_tp2(chat_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="session")
 def engine_tp1(chat_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built in this process (the fake activated for the build only): build_engine, TP=1."""
+    from contract.profile import BuildProfile
     from pipeline.build import build_engine
-    from pipeline.config import BuildConfig, BuildProfile
+    from pipeline.config import BuildConfig
 
     store = tmp_path_factory.mktemp("trtllm-store1")
     profile = BuildProfile(max_batch_size=4, max_num_tokens=128, max_seq_len=256)

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from serve.types import SamplingParams, TokenEvent
+from runtime.types import SamplingParams, TokenEvent
 
 EOS = 0
 
 
 @pytest.fixture
 def adapter(trtllm_fake: ModuleType, engine_tp1: Path) -> Iterator[Any]:
-    from serve.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
 
     ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))
     a = TrtllmExecutor(ex, eos_token_ids=(EOS,), pad_id=EOS)
@@ -142,7 +142,7 @@ def test_statistics_come_from_iteration_stats(adapter: Any,
 
 
 def test_refused_enqueue_is_a_value_error(trtllm_fake: ModuleType, engine_tp1: Path) -> None:
-    from serve.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
 
     a = TrtllmExecutor(construct_executor(engine_tp1, kv_cache_config(None, None)))
     a.shutdown()

@@ -25,13 +25,12 @@ RECEIVERS: dict[str, dict[str, str]] = {
         "model": "tensorrt_llm.models.LLaMAForCausalLM", "engine": "tensorrt_llm.builder.Engine",
     },
     "pipeline/compile/trtllm_golden.py": _EXEC,
-    "serve/executors/trtllm.py": {
+    "runtime/executors/trtllm.py": {
         "tx": X, "self._tx": X, **_EXEC, "resp": f"{X}.Response", "result": f"{X}.Result",
         "it": f"{X}.IterationStats", "kv": f"{X}.KvCacheStats",
         "ifb": f"{X}.InflightBatchingStats",
     },
-    "serve/startup_trtllm.py": {"tensorrt_llm": "tensorrt_llm", "tensorrt": "tensorrt", **_EXEC},
-    "serve/serve_trtllm.py": _EXEC,
+    "serve/backends/trtllm.py": {"tensorrt_llm": "tensorrt_llm", "tensorrt": "tensorrt", **_EXEC},
 }
 MODULE_STRINGS = {"tensorrt_llm": "tllm", "tensorrt": "trt", X: "tx"}  # import_module targets
 

@@ -8,9 +8,10 @@ from types import ModuleType
 
 import pytest
 
+from contract.manifest import check_engine_files, read_manifest
+from contract.profile import BuildProfile
 from pipeline.build import plan_build
-from pipeline.config import BuildConfig, BuildProfile
-from pipeline.manifest import read_manifest, verify_engine
+from pipeline.config import BuildConfig
 from tests.conftest import make_tiny_checkpoint
 from tests.trtllm.conftest import PROFILE_ARGS
 
@@ -41,7 +42,7 @@ def test_engine_has_trtllm_layout_and_our_manifest(engine_tp2: Path, chat_ckpt: 
     assert (m.backend, m.tp, m.target.device, m.target.sm) == ("trtllm", 2, "cuda", "sm_90")
     assert m.toolchain["tensorrt_llm"] == "1.2.0" and m.toolchain["tensorrt"] == "10.13.0.35"
     assert {f.path: f.rank for f in m.files}["rank1.engine"] == 1
-    assert verify_engine(engine_tp2) == []  # every file listed and hashed
+    assert check_engine_files(engine_tp2, read_manifest(engine_tp2)) == []  # all listed, hashed
 
     # The golden record came from running the built engine: the toy rule predicts it.
     from tensorrt_llm._fake.toy import ToyModel

@@ -1,4 +1,4 @@
-"""TensorRT-LLM gates (serve/startup_trtllm.py) in this process, one rank (our Comm of size 1):
+"""TensorRT-LLM gates (serve/backends/trtllm.py) in this process, one rank (our Comm of size 1):
 each compatibility mismatch fails its gate with a one-line cause and what to rebuild."""
 
 from __future__ import annotations
@@ -10,32 +10,32 @@ from types import ModuleType
 
 import pytest
 
-from serve.comm import Comm
+from runtime.comm import Comm
+from serve.backends.trtllm import TrtllmBackend
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig
-from serve.startup_trtllm import TrtllmStartup
-
-GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
-         "warmup")
+from serve.startup import Startup
 
 
-def _run_gates(engine: Path, upto: str = "warmup", **launch: object) -> TrtllmStartup:
+def _run_gates(engine: Path, upto: str = "warmup", **launch: object) -> Startup:
     cfg = LaunchConfig(engine=engine, **launch)  # type: ignore[arg-type]
-    st = TrtllmStartup(cfg, Comm(), GateLog())
+    st = Startup(cfg, Comm(), GateLog())
     try:
-        for name in GATES[: GATES.index(upto) + 1]:
-            st.gate(name, getattr(st, name))
+        st.run(until=upto)
     except GateFailure:
         _close(st)
         raise
     return st
 
 
-def _close(st: TrtllmStartup) -> None:
-    if st.adapter is not None:
-        st.adapter.shutdown()
-    elif st.executor is not None:
-        st.executor.shutdown()
+def _close(st: Startup) -> None:
+    b = st.backend
+    if not isinstance(b, TrtllmBackend):
+        return
+    if b.adapter is not None:
+        b.adapter.shutdown()
+    elif b.executor is not None:
+        b.executor.shutdown()
 
 
 def _fails(engine: Path, gate: str, *expected: str, **launch: object) -> str:
@@ -134,8 +134,8 @@ def test_too_small_kv_cache_fails_allocate(trtllm_fake: ModuleType, engine_tp1: 
            kv_cache_tokens=100)
 
 
-def test_torch_engine_is_not_served_here(engine_tp1: Path, tmp_path: Path) -> None:
+def test_unknown_backend_is_refused_at_resolve(engine_tp1: Path, tmp_path: Path) -> None:
     eng = _copy(engine_tp1, tmp_path / "eng")
     m = json.loads((eng / "manifest.json").read_text())
-    (eng / "manifest.json").write_text(json.dumps({**m, "backend": "eager"}))
-    _fails(eng, "resolve", "backend 'eager' is not a TensorRT-LLM engine")
+    (eng / "manifest.json").write_text(json.dumps({**m, "backend": "onnx"}))
+    _fails(eng, "resolve", "the engine's backend 'onnx' cannot be served", "--backend aoti")

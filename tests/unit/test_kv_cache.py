@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from serve.kv_cache import BlockManager, NoFreeBlocks, hash_block
-from serve.plan import NULL_BLOCK
+from runtime.kv_cache import BlockManager, NoFreeBlocks, hash_block
+from runtime.plan import NULL_BLOCK
 
 
 def test_null_block_is_never_handed_out() -> None:
@@ -66,12 +66,8 @@ def test_free_of_unallocated_block_raises_and_frees_nothing() -> None:
     assert bm.num_free == 3
 
 
-def test_slot_and_blocks_needed() -> None:
+def test_blocks_needed() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
-    assert bm.slot(3, 0) == 12
-    assert bm.slot(3, 3) == 15
-    with pytest.raises(ValueError):
-        bm.slot(3, 4)
     assert [bm.blocks_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 

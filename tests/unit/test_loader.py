@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.loader import load_shard, tensors_from_safetensors
 from serve.floors import host_copy_gbps, storage_read_gbps
-from serve.loader import load_shard, tensors_from_safetensors
 
 
 def test_load_shard_matches_safetensors_and_hashes_once(tmp_path: Path) -> None:

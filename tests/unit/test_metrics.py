@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from runtime.types import ExecutorStats
 from serve.metrics import Counter, Histogram, MetricsRegistry, ServingMetrics, format_value
-from serve.types import ExecutorStats
 
 # One sample line: name, optional {labels}, value (text format 0.0.4).
 SAMPLE_RE = re.compile(

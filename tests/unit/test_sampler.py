@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from serve.sampler import Sampler, make_generator
-from serve.types import SamplingParams
+from runtime.sampler import Sampler, make_generator
+from runtime.types import SamplingParams
 
 
 def rows(params: SamplingParams, n: int) -> list[tuple[SamplingParams, torch.Generator | None]]:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from serve.plan import NULL_BLOCK, StepPlan
-from serve.scheduler import Scheduler, SchedulerConfig
-from serve.sequence import SeqStatus, Sequence
-from serve.types import SamplingParams
+from runtime.plan import NULL_BLOCK, StepPlan
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import SeqStatus, Sequence
+from runtime.types import SamplingParams
 
 EOS = 0
 VOCAB = 40
@@ -128,7 +128,7 @@ def drive(
         check_consistent(sched, runner)
         for seq in sched.update(plan, sampled):
             assert seq.num_output_tokens >= 1
-            if seq.is_finished:
+            if seq.finish_reason is not None:
                 assert seq.finish_reason in ("stop", "length")
                 results[seq.seq_id] = (list(seq.output_token_ids), seq.finish_reason)
         sched.block_manager.check_integrity()

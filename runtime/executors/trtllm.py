@@ -1,4 +1,4 @@
-"""`serve.types.Executor` over TensorRT-LLM's C++ Executor (`tensorrt_llm.bindings.executor`).
+"""`runtime.types.Executor` over TensorRT-LLM's C++ Executor (`tensorrt_llm.bindings.executor`).
 
 Written against shared/reference/tensorrt-llm-1.2-api.md §2.1-§2.2. LEADER mode: every rank
 constructs the Executor with the same arguments (collective; `construct_executor`); only
@@ -24,7 +24,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from serve.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
+from contract.errors import BuildError
+from contract.layout import MODEL_CONFIG_TRTLLM
+from runtime.checkpoint import load_engine_model_config
+from runtime.models.config import ModelConfig
+from runtime.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
 
 log = logging.getLogger("serve.trtllm")
 POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
@@ -32,6 +36,32 @@ POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are n
 _FINISH: dict[str, FinishReason] = {
     "END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
 }
+
+
+INSTALL = (
+    "pip install '.[trtllm]' --extra-index-url https://pypi.nvidia.com "
+    "(TensorRT-LLM 1.2.x and its TensorRT) on a host with an NVIDIA GPU"
+)
+
+
+def import_trtllm() -> ModuleType:
+    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage)."""
+    return importlib.import_module("tensorrt_llm")
+
+
+def trtllm_versions() -> dict[str, str]:
+    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT."""
+    try:
+        tllm = import_trtllm()
+        trt = importlib.import_module("tensorrt")
+    except ImportError as e:
+        raise BuildError(f"TensorRT-LLM or TensorRT is not installed ({e})", INSTALL) from e
+    return {"tensorrt_llm": str(tllm.__version__), "tensorrt": str(trt.__version__)}
+
+
+def load_model_config(engine_dir: Path) -> ModelConfig:
+    """Our model config of a TensorRT-LLM engine (its config.json is TensorRT-LLM's)."""
+    return load_engine_model_config(engine_dir, MODEL_CONFIG_TRTLLM)
 
 
 def _tx() -> ModuleType:
@@ -83,7 +113,7 @@ class _Live:
 
 
 class TrtllmExecutor:
-    """Implements `serve.types.Executor` on the leader rank over a constructed Executor."""
+    """Implements `runtime.types.Executor` on the leader rank over a constructed Executor."""
 
     def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
                  poll_s: float = POLL_S) -> None:

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.convert import _open_weights, read_model_config
-from pipeline.models.config import ModelConfig
-from pipeline.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
-from pipeline.models.parallel import TPContext
-from pipeline.models.sharding import bind_tied, shard_state_dict
-from serve.runner import ModelRunner, StepFn
+from contract.layout import rank_package, rank_shard
+from runtime.checkpoint import load_engine_model_config, open_weights, read_model_config
+from runtime.loader import load_shard
+from runtime.models.config import ModelConfig
+from runtime.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
+from runtime.models.parallel import TPContext
+from runtime.models.sharding import bind_tied, shard_state_dict
+from runtime.runner import ModelRunner, StepFn
 
 
 def make_step_fn(
@@ -25,10 +27,8 @@ def make_step_fn(
         bind_weights(model, weights)
         return model
     if backend == "aoti":
-        from pipeline.compile.aoti import load_step_fn
-
         assert engine_dir is not None
-        return load_step_fn(engine_dir / f"rank{tp.rank}.pt2", weights, device)
+        return load_step_fn(engine_dir / rank_package(tp.rank), weights, device)
     raise ValueError(f"backend {backend!r} has no torch step function")
 
 
@@ -46,7 +46,7 @@ def runner_from_checkpoint(
     """An eager runner straight from a Hugging Face checkpoint (sharded in memory)."""
     cfg, _ = read_model_config(hf_dir)
     cfg.check_tp(tp.size)
-    weights = shard_state_dict(_open_weights(hf_dir), cfg, tp.size, tp.rank, torch_dtype(dtype))
+    weights = shard_state_dict(open_weights(hf_dir), cfg, tp.size, tp.rank, torch_dtype(dtype))
     step_fn = make_step_fn("eager", cfg, tp, dtype, weights)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype)
     return ModelRunner(step_fn, kv, block_size), cfg
@@ -57,13 +57,22 @@ def runner_from_engine(
     device: str = "cpu",
 ) -> tuple[ModelRunner, ModelConfig]:
     """A runner over a built engine's rank shard (read and hashed by the loader)."""
-    from pipeline.convert import load_engine_model_config
-    from serve.loader import load_shard
-
     cfg = load_engine_model_config(engine_dir)
-    shard = load_shard(engine_dir / f"rank{tp.rank}.safetensors", device)
+    shard = load_shard(engine_dir / rank_shard(tp.rank), device)
     step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, engine_dir, device)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
     runner = ModelRunner(step_fn, kv, block_size)
     runner.keepalive = shard
     return runner, cfg
+
+
+def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
+    """Load a compiled package and bind a rank's weights (kept by the caller: user managed)."""
+    pkg = torch._inductor.aoti_load_package(str(path), device_index=0 if device == "cuda" else -1)
+    names = set(pkg.get_constant_fqns())
+    missing = names - set(weights)
+    if missing:
+        raise ValueError(f"{path.name}: the shard lacks constants {sorted(missing)[:5]}")
+    pkg.load_constants({k: v for k, v in weights.items() if k in names},
+                       check_full_update=True, user_managed=True)
+    return pkg

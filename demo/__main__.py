@@ -18,12 +18,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from contract.errors import BuildError
+from demo.model import ensure_demo_model
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
-from pipeline.demo import ensure_demo_model
-from pipeline.errors import BuildError
-from pipeline.mpi import mpirun_argv
 from pipeline.progress import Progress
+from runtime.mpi import mpirun_argv
 
 QUESTION = "What is the capital of France?"
 
@@ -62,7 +62,7 @@ def cold_start_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.demo")
+    ap = argparse.ArgumentParser(prog="python -m demo")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--backend", default="aoti")
     ap.add_argument("--dtype", default="bfloat16")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pipeline.models.config import RopeConfig
+from runtime.models.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

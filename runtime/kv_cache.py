@@ -22,7 +22,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-from serve.plan import NULL_BLOCK
+from runtime.plan import NULL_BLOCK
 
 
 class NoFreeBlocks(RuntimeError):
@@ -93,11 +93,6 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def slot(self, block_id: int, offset: int) -> int:
-        if not 0 <= offset < self.block_size:
-            raise ValueError(f"offset {offset} outside a block of {self.block_size} slots")
-        return block_id * self.block_size + offset
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]

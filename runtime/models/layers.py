@@ -1,7 +1,7 @@
 """Tensor-parallel layers (Megatron/vLLM names) and the small dense pieces.
 
 Each layer declares only its *local* shapes; how a full checkpoint tensor is cut into a
-rank's piece is data in `pipeline.models.sharding`, shared by the converter and tests.
+rank's piece is data in `runtime.models.sharding`, shared by the converter and tests.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.parallel import TPContext
+from runtime.models.parallel import TPContext
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 
 _CHUNK = 16 << 20
-_ST_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool,
+# safetensors dtype names -> torch dtypes (what the engine shards and checkpoints use).
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
 }
 
 
@@ -78,7 +80,7 @@ def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _ST_DTYPES[info["dtype"]]
+        dtype = ST_DTYPES[info["dtype"]]
         start, end = (base + o for o in info["data_offsets"])
         raw = buf[start:end]
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -26,10 +26,10 @@ from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 
-from serve.kv_cache import BlockManager, hash_block
-from serve.plan import NewSeq, ScheduledSeq, StepPlan
-from serve.sequence import SeqStatus, Sequence
-from serve.types import FinishReason
+from runtime.kv_cache import BlockManager, hash_block
+from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.sequence import SeqStatus, Sequence
+from runtime.types import FinishReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from serve.types import SamplingParams
+from runtime.types import SamplingParams
 
 Row = tuple[SamplingParams, torch.Generator | None]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.models.config import ModelConfig
-from pipeline.models.rope import inv_frequencies
+from runtime.models.config import ModelConfig
+from runtime.models.rope import inv_frequencies
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from serve.types import FinishReason, SamplingParams
+from runtime.types import FinishReason, SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -59,11 +59,3 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Known tokens not yet in the KV cache."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED

@@ -1,33 +1,55 @@
-"""Gates 1-9 for a TensorRT-LLM engine (DESIGN §4), beside serve/startup.py's torch gates.
+"""TensorRT-LLM engines (DESIGN §4): the same gates, TensorRT-LLM's Executor underneath.
 
-The gate machinery (`Startup.gate`: run on every rank, agree the outcome over our control
-plane) is inherited; the bodies differ. TensorRT-LLM's Executor reads the engine itself and
-sizes its own KV cache, so: `load` reads and hashes the rank's plan (TensorRT-LLM re-reads it
-from the page cache), `allocate` settles the KvCacheConfig, and `kernels` constructs the
-Executor on every rank (collective, LEADER mode), timed.
+TensorRT-LLM's Executor reads the engine itself and sizes its own KV cache, so: `load`
+reads and hashes the rank's plan (TensorRT-LLM re-reads it from the page cache),
+`allocate` settles the KvCacheConfig, and `kernels` constructs the Executor on every rank
+(collective, LEADER mode), timed. Rank 0 serves through the TrtllmExecutor adapter; the
+other ranks block in the Executor's shutdown() (their executor threads follow the leader)
+until rank 0 shuts down.
+
+MPI: the supervisor process bootstrapped our control plane over MPI before starting this
+worker; TensorRT-LLM then initializes MPI again in this process, as the same rank. Open MPI
+then needs this process to finalize before the supervisor does (else its finalize hangs),
+so a clean exit finalizes here, while the supervisor is alive to finalize after us.
 """
 
 from __future__ import annotations
 
 import json
-import socket
+import logging
+import os
+import sys
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.compile.trtllm import INSTALL, TRTLLM_CONFIG, gpu_sm, load_model_config
-from pipeline.errors import BuildError
-from pipeline.manifest import Manifest, hash_file, read_manifest
+from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
+from contract.manifest import Manifest, hash_file
+from runtime.comm import Comm
+from runtime.executors.trtllm import (
+    INSTALL,
+    TrtllmExecutor,
+    construct_executor,
+    kv_cache_config,
+    load_model_config,
+)
+from runtime.host import gpu_sm
+from runtime.plan import StepPlan
+from runtime.types import SamplingParams
 from serve import floors
-from serve.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure
-from serve.startup import Startup
-from serve.types import SamplingParams
 from serve.warmup import decode_batch_sizes
 
+if TYPE_CHECKING:
+    from serve.startup import Evidence
+
+log = logging.getLogger("serve")
 WARMUP_DECODE_TOKENS = 4
+FINALIZE_TIMEOUT_S = 10.0
 
 
 def rebuild_command(m: Manifest, tp: int | None = None, sm: str | None = None) -> str:
@@ -38,59 +60,43 @@ def rebuild_command(m: Manifest, tp: int | None = None, sm: str | None = None) -
             f"--tokens-per-block {p.tokens_per_block}")
 
 
-@dataclass
-class TrtllmStartup(Startup):
-    engine_config: dict[str, Any] = field(default_factory=dict)  # TensorRT-LLM's config.json
-    eos_token_ids: tuple[int, ...] = ()  # rank 0 sets them from the tokenizer before kernels
-    pad_id: int = 0
-    kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
-    executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
-    adapter: TrtllmExecutor | None = None  # rank 0 only
-    digest: str = ""  # sha256 of this rank's plan, computed while loading it
+class TrtllmBackend(Backend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_config: dict[str, Any] = {}  # TensorRT-LLM's config.json
+        self.kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
+        self.executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
+        self.adapter: TrtllmExecutor | None = None  # rank 0 only
+        self._supervisor = os.getppid()
 
     # ---- 1 resolve ---------------------------------------------------------------------
 
-    def resolve(self, ev: dict[str, Any]) -> None:
-        engine = self.cfg.engine
-        try:
-            m = read_manifest(engine)
-        except BuildError as e:
-            raise GateFailure("resolve", e.cause, e.remedy) from None
-        if m.backend != "trtllm":
-            raise GateFailure("resolve", f"backend {m.backend!r} is not a TensorRT-LLM engine",
-                              "serve it through the torch gates (serve/startup.py)")
+    def resolve(self, ev: Evidence) -> None:
+        m, engine = self.manifest, self.cfg.engine
         try:
             self.engine_config = json.loads((engine / TRTLLM_CONFIG).read_text())
-            self.model = load_model_config(engine)
+            self.st.model = load_model_config(engine)
             mapping = self.engine_config["pretrained_config"]["mapping"]
             version = self.engine_config["version"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise GateFailure("resolve", f"the engine's {TRTLLM_CONFIG} or model_config.json is "
+            raise GateFailure("resolve", f"the engine's {TRTLLM_CONFIG} or {MODEL_CONFIG_TRTLLM} is "
                               f"unreadable ({type(e).__name__}: {e})",
                               f"rebuild it: {rebuild_command(m)}") from None
         if mapping.get("tp_size") != m.tp:
             raise GateFailure("resolve", f"{TRTLLM_CONFIG} says tp_size="
                               f"{mapping.get('tp_size')} but the manifest says TP={m.tp}",
                               f"rebuild it: {rebuild_command(m)}")
-        self.manifest = m
-        ev.update(engine_id=m.engine_id, model=m.model_name, backend=m.backend, tp=m.tp,
-                  dtype=m.dtype, schema=m.schema_version, trtllm_config_version=version)
+        ev.update(trtllm_config_version=version)
 
     # ---- 2 compatible ------------------------------------------------------------------
 
-    def compatible(self, ev: dict[str, Any]) -> None:
+    def compatible(self, ev: Evidence) -> None:
         """World size, TensorRT-LLM, TensorRT, GPU SM: every mismatch named, one line."""
         m = self.manifest
-        assert m is not None
         problems: list[str] = []
         run = f"mpirun -n {m.tp} serve launch --engine {self.cfg.engine}"
-        if self.comm.size != m.tp:
-            raise GateFailure(
-                "compatible",
-                f"the engine was built for TP={m.tp} but mpirun started {self.comm.size} rank(s)",
-                f"run: {run}, or rebuild for {self.comm.size} rank(s): "
-                f"{rebuild_command(m, tp=self.comm.size)}",
-            )
+        self.check_world(f"run: {run}, or rebuild for {self.comm.size} rank(s): "
+                         f"{rebuild_command(m, tp=self.comm.size)}")
         try:
             import tensorrt
             import tensorrt_llm
@@ -116,10 +122,8 @@ class TrtllmStartup(Startup):
 
     # ---- 3 reserve ---------------------------------------------------------------------
 
-    def reserve(self, ev: dict[str, Any]) -> None:
-        m = self.manifest
-        assert m is not None
-        plan = (self.cfg.engine / f"rank{self.rank}.engine").stat().st_size
+    def reserve(self, ev: Evidence) -> None:
+        plan = (self.cfg.engine / rank_trt_engine(self.rank)).stat().st_size
         ev.update(engine_bytes=plan)
         if not torch.cuda.is_available():
             ev["free_bytes"] = "not measurable here (torch sees no CUDA device)"
@@ -131,13 +135,14 @@ class TrtllmStartup(Startup):
                               f"alone is {plan / 2**30:.2f} GiB",
                               "free GPU memory, or rebuild with more --tp")
 
-    # ---- 4 load, 5 verify --------------------------------------------------------------
+    # ---- 4 load (5 verify: the base class) ----------------------------------------------
 
-    def load(self, ev: dict[str, Any]) -> None:
-        path = self.cfg.engine / f"rank{self.rank}.engine"
+    def load(self, ev: Evidence) -> None:
+        path = self.cfg.engine / rank_trt_engine(self.rank)
         floor, mode = floors.storage_read_gbps(path)
         t0 = time.perf_counter()
-        self.digest = hash_file(path)  # the one read: into the page cache, hashed on the way
+        # The one read: into the page cache, hashed on the way.
+        self.loaded = {path.name: hash_file(path)}
         secs = time.perf_counter() - t0
         size = path.stat().st_size
         gbps = size / secs / 1e9 if secs else 0.0
@@ -146,45 +151,17 @@ class TrtllmStartup(Startup):
                                                "storage_mode": mode},
                   note="TensorRT-LLM deserializes it from the page cache in the kernels gate")
 
-    def verify(self, ev: dict[str, Any]) -> None:
-        m = self.manifest
-        assert m is not None
-        expected = {f.path: f.sha256 for f in m.rank_files(self.rank)}
-        mine = f"rank{self.rank}.engine"
-        bad = [mine] if expected.get(mine) != self.digest else []
-        checked = [mine]
-        for rel in (TRTLLM_CONFIG, "model_config.json"):
-            checked.append(rel)
-            if rel not in expected or hash_file(self.cfg.engine / rel) != expected[rel]:
-                bad.append(rel)
-        ev.update(files=checked, sha256=self.digest[:16], hashed_while_loading=True)
-        if bad:
-            raise GateFailure(
-                "verify", f"{', '.join(bad)} does not match the manifest's sha256 (corrupted or "
-                "modified)", f"restore or rebuild the engine; `pipeline verify {self.cfg.engine}` "
-                "lists every bad file")
 
-    # ---- 6 connect ---------------------------------------------------------------------
+    def small_files(self) -> tuple[str, ...]:
+        return (TRTLLM_CONFIG, MODEL_CONFIG_TRTLLM)
 
-    def connect(self, ev: dict[str, Any]) -> None:
-        m = self.manifest
-        assert m is not None
-        mine = {"rank": self.rank, "engine_id": m.engine_id, "host": socket.gethostname(),
-                "load": self.log.get("load").evidence}
-        everyone = self.comm.allgather(mine)
-        ids = {e["engine_id"] for e in everyone}
-        if len(ids) > 1 or [e["rank"] for e in everyone] != list(range(self.comm.size)):
-            raise GateFailure("connect", f"ranks disagree on the engine: {sorted(ids)}",
-                              "give every rank the same --engine")
-        self.rank_loads = [e["load"] for e in everyone]
-        ev.update(world=self.comm.size, hosts=sorted({e["host"] for e in everyone}),
-                  collectives="TensorRT-LLM's own (MPI + NCCL), set up in the kernels gate")
+    def init_collectives(self) -> str:
+        return "TensorRT-LLM's own (MPI + NCCL), set up in the kernels gate"
 
     # ---- 7 allocate --------------------------------------------------------------------
 
-    def allocate(self, ev: dict[str, Any]) -> None:
+    def allocate(self, ev: Evidence) -> None:
         m = self.manifest
-        assert m is not None
         tokens, frac = self.cfg.kv_cache_tokens, self.cfg.kv_cache_fraction
         if tokens is not None and tokens < m.profile.max_seq_len:
             raise GateFailure("allocate", f"--kv-cache-tokens {tokens} cannot hold one "
@@ -199,9 +176,8 @@ class TrtllmStartup(Startup):
 
     # ---- 8 kernels ---------------------------------------------------------------------
 
-    def kernels(self, ev: dict[str, Any]) -> None:
+    def kernels(self, ev: Evidence) -> None:
         m = self.manifest
-        assert m is not None
         t0 = time.perf_counter()
         try:
             self.executor = construct_executor(self.cfg.engine, self.kv)
@@ -221,19 +197,19 @@ class TrtllmStartup(Startup):
             raise GateFailure("kernels", f"expected rank 0 alone to be the leader, got {ranks}",
                               "check the MPI launch (one process per engine rank, rank 0 first)")
         if self.rank == 0:
-            self.adapter = TrtllmExecutor(self.executor, eos_token_ids=self.eos_token_ids,
-                                          pad_id=self.pad_id)
+            self.adapter = TrtllmExecutor(self.executor, eos_token_ids=self.st.eos_token_ids,
+                                          pad_id=self.st.pad_id)
         ev.update(kind="TensorRT-LLM Executor (LEADER mode)", construct_s=round(secs, 3),
                   ranks=ranks)
 
     # ---- 9 warmup (rank 0 drives; the others' executors follow the leader) --------------
 
-    def warmup(self, ev: dict[str, Any]) -> None:
-        m, adapter, cfg = self.manifest, self.adapter, self.model
+    def warmup(self, ev: Evidence) -> None:
+        m, adapter, cfg = self.manifest, self.adapter, self.st.model
         if self.rank != 0:
             ev["driven_by"] = "rank 0"
             return
-        assert m is not None and adapter is not None and cfg is not None
+        assert adapter is not None and cfg is not None
         p, vocab = m.profile, cfg.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(p.max_seq_len)]
         if self.cfg.warmup == "auto":
@@ -260,15 +236,15 @@ class TrtllmStartup(Startup):
         st = adapter.stats()
         tpb = int(st.extra.get("kv_tokens_per_block", p.tokens_per_block))
         kv_tokens = st.kv_blocks_total * tpb
-        self.log.get("allocate").evidence.update(blocks=st.kv_blocks_total, tokens=kv_tokens)
+        self.st.log.get("allocate").evidence.update(blocks=st.kv_blocks_total, tokens=kv_tokens)
         if st.kv_blocks_total and kv_tokens < p.max_seq_len:
             raise GateFailure("warmup", f"the KV cache TensorRT-LLM allocated holds {kv_tokens} "
                               f"tokens, less than one {p.max_seq_len}-token sequence",
                               "raise --kv-cache-fraction or --kv-cache-tokens, or free GPU memory")
 
-    def _golden(self, ev: dict[str, Any]) -> None:
+    def _golden(self, ev: Evidence) -> None:
         m, adapter = self.manifest, self.adapter
-        assert m is not None and adapter is not None
+        assert adapter is not None
         record = m.golden
         want = list(record.get("tokens", []))
         sp = SamplingParams(max_tokens=len(want), temperature=0.0, ignore_eos=True)
@@ -282,3 +258,76 @@ class TrtllmStartup(Startup):
             raise GateFailure(
                 "warmup", f"the golden prompt gave {got}, the build recorded {want}",
                 f"run `pipeline verify {self.cfg.engine}` and rebuild it: {rebuild_command(m)}")
+
+    # ---- serving -----------------------------------------------------------------------
+
+    def open(self, ev: Evidence) -> TrtllmExecutor:
+        assert self.adapter is not None
+        ev["executor"] = "TensorRT-LLM"
+        return self.adapter
+
+    def poll(self, timeout: float) -> None:
+        assert self.adapter is not None
+        if self.adapter.error is not None:  # the job cannot serve without its Executor
+            raise EngineFault(self.adapter.error)
+        time.sleep(timeout)  # the adapter's own thread drives the Executor
+
+    def close(self) -> int:
+        assert self.adapter is not None
+        left = self.adapter.cancel_all()
+        # Tell the other ranks this is an orderly end before their shutdown() returns.
+        self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
+        try:
+            self.adapter.shutdown()
+            log.info("Executor shut down (rank 0, the leader); the other ranks are released")
+        except Exception:
+            log.exception("Executor.shutdown() failed")
+        return left
+
+    def follow(self, exit_now: Callable[[int], None]) -> int:
+        orderly = threading.Event()
+        threading.Thread(target=_watch_leader, args=(self.comm, orderly, exit_now),
+                         name="leader-watch",
+                         daemon=True).start()
+        log.info("Executor constructed (not the leader); blocking in Executor.shutdown() until "
+                 "rank 0 shuts down")
+        self.executor.shutdown()
+        log.info("Executor.shutdown() returned; exiting")
+        return 0
+
+    def finalize(self) -> None:
+        finalize_mpi(self._supervisor)
+
+
+def finalize_mpi(supervisor_pid: int) -> None:
+    """MPI_Finalize (bounded) when MPI is up and our supervisor still waits for us."""
+    if os.getppid() != supervisor_pid or supervisor_pid <= 1:
+        return  # the supervisor is gone (a drain past Open MPI's kill): nobody to hang
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # never initialize MPI just to finalize it
+        from mpi4py import MPI as mpi
+    if not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    t = threading.Thread(target=mpi.Finalize, name="mpi-finalize", daemon=True)
+    t.start()
+    t.join(FINALIZE_TIMEOUT_S)
+    if t.is_alive():
+        log.warning("MPI_Finalize did not return within %.0f s; exiting anyway", FINALIZE_TIMEOUT_S)
+
+
+def _watch_leader(comm: Comm, orderly: threading.Event, exit_now: Callable[[int], None]) -> None:
+    """Ranks > 0: rank 0 sends one shutdown plan before it shuts down; EOF without it means
+    rank 0 died, and our shutdown() would wait for it forever."""
+    try:
+        plan = comm.recv_plan()
+        if plan.shutdown:
+            orderly.set()
+            return
+    except (ConnectionError, OSError, EOFError):
+        pass
+    if not orderly.is_set():
+        log.error("lost rank 0 (the leader) before it shut down; exiting")
+        exit_now(1)

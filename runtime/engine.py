@@ -12,15 +12,14 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
-from serve.comm import Comm
-from serve.plan import StepPlan
-from serve.runner import ModelRunner
-from serve.sampler import Sampler, make_generator
-from serve.scheduler import Scheduler, SchedulerConfig
-from serve.sequence import Sequence
-from serve.types import EventCallback, ExecutorStats, SamplingParams, TokenEvent
+from runtime.comm import Comm
+from runtime.plan import StepPlan
+from runtime.runner import ModelRunner
+from runtime.sampler import Sampler, make_generator
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import Sequence
+from runtime.types import EventCallback, ExecutorStats, SamplingParams, TokenEvent
 
 
 @dataclass(slots=True)
@@ -32,7 +31,7 @@ class _Request:
 
 
 class LLMEngine:
-    """Implements `serve.types.Executor` over our scheduler and model runner."""
+    """Implements `runtime.types.Executor` over our scheduler and model runner."""
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, comm: Comm | None = None) -> None:
         self.runner = runner
@@ -68,6 +67,11 @@ class LLMEngine:
 
     def num_unfinished(self) -> int:
         return self._unfinished
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a request arrives or is cancelled, or `timeout` seconds pass."""
+        self._wake.wait(timeout)
+        self._wake.clear()
 
     # ---- engine loop (one thread) -----------------------------------------------------
 
@@ -140,15 +144,9 @@ class LLMEngine:
             steps_total=s.steps_total, tokens_last_step=s.tokens_last_step,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
-            extra={"prefix_cache_hits_total": float(s.prefix_cache_hits_total)},
+            extra={"prefix_cache_hits_total": float(s.prefix_cache_hits_total),
+                   "prefix_cache_queries_total": float(s.prefix_cache_queries_total)},
         )
-
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
-        """Step until `stop` is set and nothing is left to finish."""
-        while not (stop.is_set() and not self.scheduler.has_unfinished() and self._inbox.empty()):
-            if self.step() is None:
-                self._wake.wait(idle_wait_s)
-                self._wake.clear()
 
     def abort_all(self, reason: str = "cancelled") -> None:
         self._drain_inbox()
@@ -160,40 +158,7 @@ class LLMEngine:
         if self.comm is not None:
             self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
 
-    # ---- in-process construction and a synchronous helper (tests, benchmarks) ---------
-
-    @classmethod
-    def from_checkpoint(
-        cls, hf_dir: str | Path, dtype: str = "bfloat16", max_batch_size: int = 16,
-        max_num_tokens: int = 512, max_seq_len: int = 1024, block_size: int = 16,
-        num_blocks: int | None = None,
-    ) -> LLMEngine:
-        """A TP=1 eager engine straight from a Hugging Face checkpoint."""
-        from pipeline.models.parallel import TPContext
-        from serve.executors.torch import runner_from_checkpoint
-
-        blocks = num_blocks or max_batch_size * max_seq_len // block_size + 1
-        runner, cfg = runner_from_checkpoint(Path(hf_dir), TPContext(), dtype, blocks, block_size)
-        return cls(runner, SchedulerConfig(max_batch_size, max_num_tokens, block_size, blocks,
-                                           max_seq_len, cfg.eos_token_ids))
-
-    @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, num_blocks: int | None = None) -> LLMEngine:
-        """A built TP=1 engine (aoti or eager) loaded in this process."""
-        from pipeline.manifest import read_manifest
-        from pipeline.models.parallel import TPContext
-        from serve.executors.torch import runner_from_engine
-
-        m = read_manifest(Path(engine_dir))
-        if m.tp != 1:
-            raise ValueError(f"{engine_dir} is a TP={m.tp} engine; serve it with mpirun -n {m.tp}")
-        p = m.profile
-        blocks = num_blocks or p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
-        runner, cfg = runner_from_engine(Path(engine_dir), m.backend, m.dtype, TPContext(), blocks,
-                                         p.tokens_per_block)
-        return cls(runner, SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block,
-                                           blocks, p.max_seq_len, cfg.eos_token_ids))
-
+    # ---- a synchronous helper (tests, benchmarks) ------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
         """Submit all prompts at once and step until every one finishes."""

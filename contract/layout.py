@@ -1,0 +1,38 @@
+"""The names of the files in an engine directory (DESIGN §3)."""
+
+from __future__ import annotations
+
+MANIFEST_NAME = "manifest.json"
+# Ours for aoti/eager engines: {"model": ModelConfig, "hf_config": ...}. A TensorRT-LLM engine
+# keeps TensorRT-LLM's own EngineConfig under this name and ours in MODEL_CONFIG_TRTLLM.
+ENGINE_CONFIG = "config.json"
+TRTLLM_CONFIG = ENGINE_CONFIG
+MODEL_CONFIG_TRTLLM = "model_config.json"
+GENERATION_CONFIG = "generation_config.json"
+# Tokenizer and chat template, copied from the checkpoint when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def rank_shard(rank: int) -> str:
+    """A rank's weights (aoti, eager)."""
+    return f"rank{rank}.safetensors"
+
+
+def rank_package(rank: int) -> str:
+    """A rank's AOTInductor package (aoti)."""
+    return f"rank{rank}.pt2"
+
+
+def rank_trt_engine(rank: int) -> str:
+    """A rank's TensorRT engine (trtllm)."""
+    return f"rank{rank}.engine"

@@ -1,0 +1,81 @@
+"""What this host is: its CPU ISA level and its GPU's SM, and whether it can run an engine.
+
+The build records a Target (contract/target.py); the serve `compatible` gate asks
+`host_matches` whether this host can run it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+from contract.target import ISA_LEVELS, Target, cpu_isa_level, normalize_sm
+
+# Only consulted when torch cannot query the GPU itself (a CPU-only torch beside TensorRT-LLM,
+# or the test suite's contract fake, which has no CUDA): the GPU's SM, e.g. sm_90 or 9.0.
+SM_ENV = "AOTLLM_GPU_SM"
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        # x86 says "flags", arm64 says "Features"; the first processor is representative.
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def host_cpu_target() -> Target:
+    arch = platform.machine() or "unknown"
+    isa = cpu_isa_level(cpu_flags()) if arch in ("x86_64", "AMD64") else "baseline"
+    return Target(device="cpu", arch=arch, isa=isa)
+
+
+def cuda_sm() -> str | None:
+    """The SM of the first visible GPU, or None when CUDA is absent."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}"
+
+
+def gpu_sm() -> str | None:
+    """The SM of the GPU this process would use: torch's CUDA first, then AOTLLM_GPU_SM."""
+    sm = cuda_sm()
+    if sm is not None:
+        return sm
+    raw = os.environ.get(SM_ENV)
+    return normalize_sm(raw) if raw else None
+
+
+def host_matches(recorded: dict[str, str]) -> tuple[bool, str]:
+    """Whether an engine built for ``recorded`` (a Target dict) can run here, and why not."""
+    try:
+        want = Target.from_dict(recorded)
+    except (KeyError, ValueError, TypeError) as e:
+        return False, f"the manifest's target {recorded!r} is not understood ({e})"
+    if want.device == "cuda":
+        have = cuda_sm()
+        if have is None:
+            return False, f"the engine was built for {want.sm} but no CUDA device is visible"
+        # Compiled cubins are specific to one SM; no forward compatibility is assumed.
+        if have != want.sm:
+            return False, f"the engine was built for {want.sm} but this GPU is {have}"
+        return True, f"GPU {have} matches"
+    host = host_cpu_target()
+    if want.arch and want.arch != host.arch:
+        return False, f"the engine was built for {want.arch} but this host is {host.arch}"
+    want_isa = want.isa or "baseline"
+    if ISA_LEVELS.index(host.isa or "baseline") < ISA_LEVELS.index(want_isa):
+        return False, (
+            f"the engine was compiled for {want_isa} but this CPU only supports {host.isa}; "
+            "rebuild the engine on this host"
+        )
+    return True, f"CPU {host.arch} {host.isa} covers the engine's {want_isa}"

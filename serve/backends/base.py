@@ -1,0 +1,144 @@
+"""What a backend supplies to the one start-up sequence (serve/startup.py) and to rank 0's
+serving loop: the body of each gate, the executor admission opens with, how it is driven,
+and what the other ranks do while rank 0 serves.
+
+The base class holds what every backend shares: the TP world-size check, the cross-rank
+agreement on the engine in `connect`, and checking every byte loaded against the manifest
+in `verify`.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from contract.manifest import Manifest, hash_file
+from serve.gates import GateFailure
+
+if TYPE_CHECKING:
+    from runtime.types import Executor
+    from serve.startup import Evidence, Startup
+
+
+class EngineFault(RuntimeError):
+    """The engine cannot go on serving (its executor failed); rank 0 fails the job."""
+
+
+class Backend(ABC):
+    """One engine kind at serve time. Gate bodies run on every rank, in GATES order."""
+
+    def __init__(self, st: Startup) -> None:
+        self.st = st
+        self.cfg, self.comm = st.cfg, st.comm
+        # Set by load: the digest of each file this rank read, computed while reading it.
+        self.loaded: dict[str, str] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def manifest(self) -> Manifest:
+        assert self.st.manifest is not None, "gate 1 (resolve) reads the manifest first"
+        return self.st.manifest
+
+    # ---- gates -------------------------------------------------------------------------
+
+    @abstractmethod
+    def resolve(self, ev: Evidence) -> None:
+        """Read what the engine says about itself beyond the manifest (model config)."""
+
+    def check_world(self, remedy: str | None = None) -> None:
+        m = self.manifest
+        if self.comm.size != m.tp:
+            raise GateFailure(
+                "compatible",
+                f"the engine was built for TP={m.tp} but mpirun started {self.comm.size} rank(s)",
+                remedy or f"run: mpirun -n {m.tp} serve launch --engine {self.cfg.engine}",
+            )
+
+    @abstractmethod
+    def compatible(self, ev: Evidence) -> None: ...
+
+    @abstractmethod
+    def reserve(self, ev: Evidence) -> None: ...
+
+    @abstractmethod
+    def load(self, ev: Evidence) -> None:
+        """Read this rank's large files once, hashing them on the way in (self.loaded)."""
+
+    def small_files(self) -> tuple[str, ...]:
+        """Other files this rank reads through their own loaders; hashed in verify."""
+        return ()
+
+    def verify(self, ev: Evidence) -> None:
+        expected = {f.path: f.sha256 for f in self.manifest.rank_files(self.rank)}
+        bad = [name for name, digest in self.loaded.items() if expected.get(name) != digest]
+        checked = list(self.loaded)
+        for rel in self.small_files():
+            checked.append(rel)
+            if rel not in expected or hash_file(self.cfg.engine / rel) != expected[rel]:
+                bad.append(rel)
+        first = next(iter(self.loaded.values()), "")
+        ev.update(files=checked, sha256=first[:16], hashed_while_loading=True)
+        if bad:
+            raise GateFailure(
+                "verify", f"{', '.join(bad)} does not match the manifest's sha256 (corrupted or "
+                "modified)", f"restore or rebuild the engine; `pipeline verify {self.cfg.engine}` "
+                "lists every bad file")
+
+    def init_collectives(self) -> str:
+        """Bring up the data plane between ranks; returns what it is (connect evidence)."""
+        return "none"
+
+    def connect(self, ev: Evidence) -> None:
+        collectives = self.init_collectives()
+        mine = {"rank": self.rank, "engine_id": self.manifest.engine_id,
+                "host": socket.gethostname(), "load": self.st.log.get("load").evidence}
+        everyone = self.comm.allgather(mine)
+        ids = {e["engine_id"] for e in everyone}
+        if len(ids) > 1 or [e["rank"] for e in everyone] != list(range(self.comm.size)):
+            raise GateFailure("connect", f"ranks disagree on the engine: {sorted(ids)}",
+                              "give every rank the same --engine")
+        self.st.rank_loads = [e["load"] for e in everyone]
+        ev.update(collectives=collectives if self.comm.size > 1 else "none (TP=1)",
+                  world=self.comm.size, hosts=sorted({e["host"] for e in everyone}))
+
+    @abstractmethod
+    def allocate(self, ev: Evidence) -> None: ...
+
+    @abstractmethod
+    def kernels(self, ev: Evidence) -> None: ...
+
+    @abstractmethod
+    def warmup(self, ev: Evidence) -> None:
+        """Rank 0 drives representative shapes and the golden check; the others follow."""
+
+    # ---- serving -----------------------------------------------------------------------
+
+    @abstractmethod
+    def open(self, ev: Evidence) -> Executor:
+        """Rank 0, gate 10: the executor the HTTP layer submits to."""
+
+    @abstractmethod
+    def poll(self, timeout: float) -> None:
+        """Rank 0's loop: advance the engine, or wait up to `timeout` seconds for work.
+        Raises EngineFault when the engine cannot serve any more."""
+
+    @abstractmethod
+    def close(self) -> int:
+        """Rank 0 after the drain: cut what is left (returns how many), release the ranks."""
+
+    @abstractmethod
+    def follow(self, exit_now: Callable[[int], None]) -> int:
+        """Ranks > 0 after admission: serve until rank 0 ends the job; the exit code.
+        `exit_now(code)` leaves at once from any thread (the job is failing)."""
+
+    def finalize(self) -> None:  # noqa: B027 (most backends have nothing to finalize)
+        """After a clean exit, before the process ends."""
+
+    def report(self) -> dict[str, Any]:
+        """Extra fields for GET /v1/engine."""
+        return {}

@@ -1,0 +1,233 @@
+"""aoti and eager engines: our loader, KV cache, compiled step function and engine loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from contract.layout import ENGINE_CONFIG, rank_package, rank_shard
+from runtime.checkpoint import load_engine_model_config
+from runtime.engine import LLMEngine, worker_loop
+from runtime.executors.torch import allocate_kv_cache, make_step_fn
+from runtime.golden import check_golden, run_golden
+from runtime.host import host_matches
+from runtime.loader import LoadedShard, load_shard
+from runtime.models.config import ModelConfig
+from runtime.models.factory import kv_bytes_per_block, torch_dtype
+from runtime.models.parallel import TPContext
+from runtime.plan import StepPlan
+from runtime.runner import ModelRunner
+from runtime.scheduler import SchedulerConfig
+from serve import floors
+from serve.backends.base import Backend
+from serve.gates import GateFailure
+from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
+from serve.warmup import PHASE_DONE, follow, warmup_shapes
+
+if TYPE_CHECKING:
+    from serve.startup import Evidence
+
+log = logging.getLogger("serve")
+REBUILD = "rebuild the engine on this host with `pipeline build`"
+
+
+class TorchBackend(Backend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = "cpu"
+        self.shard: LoadedShard | None = None
+        self.kv: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.runner: ModelRunner | None = None
+        self.engine: LLMEngine | None = None
+
+    @property
+    def model(self) -> ModelConfig:
+        assert self.st.model is not None
+        return self.st.model
+
+    # ---- 1 resolve, 2 compatible, 3 reserve -------------------------------------------
+
+    def resolve(self, ev: Evidence) -> None:
+        self.st.model = load_engine_model_config(self.cfg.engine)
+
+    def compatible(self, ev: Evidence) -> None:
+        m = self.manifest
+        self.check_world()
+        ok, why = host_matches(m.target.to_dict())
+        if not ok:
+            raise GateFailure("compatible", why, REBUILD)
+        built_torch = m.toolchain.get("torch")
+        if m.backend == "aoti" and built_torch != torch.__version__:
+            raise GateFailure(
+                "compatible",
+                f"the engine's kernels were compiled by torch {built_torch}, this host runs {torch.__version__}",
+                REBUILD,
+            )
+        if m.target.device == "cuda":
+            self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
+            torch.cuda.set_device(self.device)
+        ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__)
+
+    def _min_kv_blocks(self) -> int:
+        p = self.manifest.profile
+        return math.ceil(p.max_seq_len / p.tokens_per_block) + 1  # + null block
+
+    def _free_bytes(self) -> int:
+        if self.device.startswith("cuda"):
+            return torch.cuda.mem_get_info()[0]
+        return floors.host_available_bytes()
+
+    def _block_bytes(self) -> int:
+        m = self.manifest
+        return kv_bytes_per_block(self.model, m.tp, m.profile.tokens_per_block, torch_dtype(m.dtype))
+
+    def reserve(self, ev: Evidence) -> None:
+        m = self.manifest
+        weights = sum(f.size for f in m.rank_files(self.rank))
+        kv_min = self._min_kv_blocks() * self._block_bytes()
+        free = self._free_bytes()
+        ev.update(weights_bytes=weights, kv_min_bytes=kv_min, free_bytes=free)
+        if free < weights + kv_min:
+            raise GateFailure(
+                "reserve",
+                f"{free / 2**30:.2f} GiB free, but weights ({weights / 2**30:.2f} GiB) plus one "
+                f"{m.profile.max_seq_len}-token sequence of KV cache ({kv_min / 2**30:.2f} GiB) need "
+                f"{(weights + kv_min) / 2**30:.2f} GiB",
+                "free memory, or rebuild with a smaller --max-seq-len or more --tp",
+            )
+
+    # ---- 4 load, 5 verify (base), 6 connect -------------------------------------------
+
+    def load(self, ev: Evidence) -> None:
+        path = self.cfg.engine / rank_shard(self.rank)
+        read_gbps, mode = floors.storage_read_gbps(path)
+        fl: dict[str, Any] = {"storage_read_gbps": round(read_gbps, 3), "storage_mode": mode,
+                              "host_copy_gbps": round(floors.host_copy_gbps(), 3)}
+        if self.device.startswith("cuda"):
+            fl["h2d_gbps"] = round(floors.h2d_gbps(self.device), 3)
+        self.shard = shard = load_shard(path, self.device)
+        self.loaded = {path.name: shard.sha256}
+        ev.update(rank=self.rank, bytes=shard.nbytes, read_s=round(shard.read_s, 4),
+                  gbps=round(shard.read_gbps, 3), h2d_s=round(shard.h2d_s, 4), floors=fl,
+                  vs_storage_floor=round(shard.read_gbps / read_gbps, 3) if read_gbps else None,
+                  vs_host_copy_floor=round(shard.read_gbps / fl["host_copy_gbps"], 3))
+
+    def small_files(self) -> tuple[str, ...]:
+        if self.manifest.backend == "aoti":  # native code: never loaded unless verified
+            return (ENGINE_CONFIG, rank_package(self.rank))
+        return (ENGINE_CONFIG,)
+
+    def init_collectives(self) -> str:
+        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        self.comm.init_process_group(backend)
+        return backend
+
+    # ---- 7 allocate, 8 kernels, 9 warmup ------------------------------------------------
+
+    def allocate(self, ev: Evidence) -> None:
+        m, p = self.manifest, self.manifest.profile
+        per_block = self._block_bytes()
+        useful = math.ceil(p.max_batch_size * p.max_seq_len / p.tokens_per_block) + 1
+        if self.cfg.kv_cache_tokens is not None:
+            blocks = math.ceil(self.cfg.kv_cache_tokens / p.tokens_per_block) + 1
+            source = "--kv-cache-tokens"
+        else:
+            on_gpu = self.device.startswith("cuda")
+            frac = self.cfg.kv_cache_fraction or (GPU_KV_FRACTION if on_gpu else CPU_KV_FRACTION)
+            free = self._free_bytes()
+            blocks = min(int(frac * free) // per_block, useful)
+            source = f"fraction {frac} of {free / 2**30:.1f} GiB free"
+        blocks = min(self.comm.allgather(blocks))  # every rank must hold the same blocks
+        need = self._min_kv_blocks()
+        if blocks < need:
+            raise GateFailure(
+                "allocate",
+                f"the KV cache holds {blocks - 1} blocks ({(blocks - 1) * p.tokens_per_block} tokens, "
+                f"{blocks * per_block / 2**20:.1f} MiB) but one {p.max_seq_len}-token sequence needs "
+                f"{need - 1} blocks ({need * per_block / 2**20:.1f} MiB)",
+                "raise --kv-cache-fraction or --kv-cache-tokens, or free memory",
+            )
+        self.num_blocks = blocks
+        self.kv = allocate_kv_cache(self.model, m.tp, blocks, p.tokens_per_block, m.dtype, self.device)
+        ev.update(blocks=blocks - 1, tokens=(blocks - 1) * p.tokens_per_block,
+                  bytes=blocks * per_block, sized_by=source)
+
+    def kernels(self, ev: Evidence) -> None:
+        m, shard = self.manifest, self.shard
+        assert shard is not None and self.kv is not None
+        tp = TPContext(self.rank, self.comm.size)
+        step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.cfg.engine,
+                               self.device)
+        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
+        self.runner.keepalive = shard
+        pkg = self.cfg.engine / rank_package(self.rank)
+        ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
+                  package_bytes=pkg.stat().st_size if pkg.exists() else 0)
+
+    def warmup(self, ev: Evidence) -> None:
+        m, runner = self.manifest, self.runner
+        assert runner is not None
+        if self.rank != 0:
+            follow(runner, self.comm)
+            ev["driven_by"] = "rank 0"
+            return
+        send = self.comm.send_plan
+        if self.cfg.warmup == "auto":
+            t0 = time.perf_counter()
+            ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send)
+            ev["shapes_s"] = round(time.perf_counter() - t0, 3)
+        else:
+            ev["shapes"] = "skipped (--warmup none)"
+        record = m.golden
+        _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
+                             forced=record["tokens"], send=send)
+        send(StepPlan(PHASE_DONE))
+        ok, evidence = check_golden(record, tops, m.dtype)
+        ev["golden"] = evidence
+        if not ok:
+            raise GateFailure(
+                "warmup", f"the golden prompt no longer gives the built engine's logits ({evidence})",
+                f"run `pipeline verify {self.cfg.engine}` and rebuild the engine",
+            )
+
+    # ---- serving -----------------------------------------------------------------------
+
+    def open(self, ev: Evidence) -> LLMEngine:
+        m, runner = self.manifest, self.runner
+        assert runner is not None
+        p = m.profile
+        eos = tuple(dict.fromkeys((*self.st.eos_token_ids, *self.model.eos_token_ids)))
+        sc = SchedulerConfig(
+            max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
+            block_size=p.tokens_per_block, num_blocks=self.num_blocks,
+            max_seq_len=p.max_seq_len, eos_token_ids=eos, enable_prefix_caching=True,
+        )
+        self.engine = LLMEngine(runner, sc, self.comm)
+        return self.engine
+
+    def poll(self, timeout: float) -> None:
+        assert self.engine is not None
+        if self.engine.step() is None:
+            self.engine.wait_for_work(timeout)
+
+    def close(self) -> int:
+        assert self.engine is not None
+        left = self.engine.num_unfinished()
+        self.engine.abort_all()
+        self.engine.shutdown_workers()
+        return left
+
+    def follow(self, exit_now: Callable[[int], None]) -> int:
+        assert self.runner is not None
+        try:
+            worker_loop(self.runner, self.comm)
+        except (ConnectionError, OSError) as e:
+            log.error("lost rank 0 (%s); exiting", e)
+            return 1
+        return 0
