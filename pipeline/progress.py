@@ -1,4 +1,4 @@
-"""Terminal progress on stderr: one line per stage, a live bar only on a TTY.
+"""Terminal progress on stderr: one line per stage, a live tqdm bar only on a TTY.
 
 Usage (the build opens the top-level stages; a callee opens sub-stages inside them, which
 print indented)::
@@ -8,7 +8,8 @@ print indented)::
             st.advance(len(chunk))
 
 Off a TTY (CI logs, pipes) only the start and end line of each stage is printed, so logs
-stay short; on a TTY the current stage is redrawn in place at most 10 times a second.
+stay short. On a TTY tqdm draws each open stage as a bar (nested stages on the lines below)
+and redraws it in place; the end lines scroll above the bars.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-_REDRAW_S = 0.1
+from tqdm import tqdm
 
 
 def format_bytes(n: float) -> str:
@@ -39,39 +40,43 @@ def _format_amount(n: float, unit: str) -> str:
 class Stage:
     """One timed stage; advance it with ``advance(n)`` or set it with ``update(done)``."""
 
-    def __init__(self, progress: Progress, name: str, total: float | None, unit: str) -> None:
+    def __init__(
+        self, progress: Progress, name: str, total: float | None, unit: str, depth: int
+    ) -> None:
         self.progress = progress
         self.name = name
         self.total = total
         self.unit = unit
-        self.done = 0.0
-        self.depth = 0
+        self.depth = depth
+        self.done: float = 0  # an int while advanced by ints, so tqdm shows "4/6", not "4.0/6"
         self.started = time.perf_counter()
         self.elapsed = 0.0
-        self._last_draw = 0.0
+        # The live bar. Disabled off a TTY, where tqdm then draws nothing and costs nothing.
+        # leave=False: the bar is wiped at the end, and our end line (the same one a log gets)
+        # takes its place. tqdm throttles redraws (mininterval) and stacks nested bars itself.
+        # Without a total there is no bar to draw; "name ..." says what is running (tqdm's
+        # "0it [00:00, ?it/s]" would not tick anyway: it redraws only when advanced).
+        self._bar = tqdm(
+            desc="  " * depth + name, total=total, unit=unit or "it", leave=False,
+            unit_scale=unit == "B", unit_divisor=1024, mininterval=0.1,
+            bar_format=None if total else "{desc} ...",
+            file=progress.stream, disable=not progress.live, dynamic_ncols=True,
+        )
 
     def advance(self, n: float = 1) -> None:
         self.update(self.done + n)
 
     def update(self, done: float, total: float | None = None) -> None:
-        self.done = done
         if total is not None:
-            self.total = total
-        now = time.perf_counter()
-        if now - self._last_draw >= _REDRAW_S:
-            self._last_draw = now
-            self.progress._draw(self)
+            self.total = self._bar.total = total
+            self._bar.bar_format = None  # now there is a bar to draw
+        self._bar.update(done - self.done)
+        self.done = done
 
-    def describe(self, final: bool = False) -> str:
-        elapsed = (self.elapsed if final else time.perf_counter() - self.started) or 1e-9
-        parts = []
-        if self.total and not final:
-            parts.append(f"{100 * self.done / self.total:5.1f}%")
-        if self.done:
-            amount = _format_amount(self.done, self.unit)
-            if self.total and not final:
-                amount += f" / {_format_amount(self.total, self.unit)}"
-            parts.append(amount)
+    def summary(self) -> str:
+        """The end line's text: amount, elapsed time, rate."""
+        elapsed = self.elapsed or 1e-9
+        parts = [_format_amount(self.done, self.unit)] if self.done else []
         parts.append(f"{elapsed:.1f} s")
         if self.done and elapsed > 0.05:
             parts.append(f"{_format_amount(self.done / elapsed, self.unit)}/s")
@@ -87,6 +92,7 @@ class Stage:
         tb: TracebackType | None,
     ) -> None:
         self.elapsed = time.perf_counter() - self.started
+        self._bar.close()
         self.progress._finish(self, failed=exc_type is not None)
 
 
@@ -103,49 +109,34 @@ class Progress:
             live = bool(isatty and isatty())
         self.live = live and enabled
         self.durations: dict[str, float] = {}  # top-level stage name -> seconds
-        self._open: list[Stage] = []
-        self._line_dirty = False
+        self._depth = 0  # stages open now; a new one nests under them
 
     @classmethod
     def silent(cls) -> Progress:
         return cls(enabled=False)
 
     def stage(self, name: str, total: float | None = None, unit: str = "") -> Stage:
-        st = Stage(self, name, total, unit)
-        st.depth = len(self._open)
-        if self._open:
-            self._clear()
-        self._open.append(st)
-        if not self.live:
+        st = Stage(self, name, total, unit, self._depth)
+        self._depth += 1
+        if not self.live:  # on a TTY the bar shows the stage has started
             self._line(st.depth, f"{name} ...")
         return st
 
     def message(self, text: str) -> None:
-        self._clear()
-        self._line(len(self._open), text)
+        self._line(self._depth, text)
 
     def _line(self, depth: int, text: str) -> None:
-        if self.enabled:
-            self.stream.write("  " * depth + text + "\n")
-            self.stream.flush()
-
-    def _clear(self) -> None:
-        if self._line_dirty:
-            self.stream.write("\r\033[K")
-            self._line_dirty = False
-
-    def _draw(self, st: Stage) -> None:
-        if not self.live or not self._open or self._open[-1] is not st:
+        if not self.enabled:
             return
-        self.stream.write(f"\r\033[K{'  ' * st.depth}{st.name}: {st.describe()}")
+        if self.live:  # tqdm lifts the live bars off the screen, prints, redraws them below
+            tqdm.write("  " * depth + text, file=self.stream)
+        else:  # a log gets the plain line, whatever other tqdm bars are open
+            self.stream.write("  " * depth + text + "\n")
         self.stream.flush()
-        self._line_dirty = True
 
     def _finish(self, st: Stage, failed: bool) -> None:
-        if st in self._open:
-            self._open.remove(st)
+        self._depth = max(self._depth - 1, 0)
         if st.depth == 0:
             self.durations[st.name] = self.durations.get(st.name, 0.0) + st.elapsed
-        self._clear()
-        status = "failed after " + f"{st.elapsed:.1f} s" if failed else st.describe(final=True)
+        status = f"failed after {st.elapsed:.1f} s" if failed else st.summary()
         self._line(st.depth, f"{st.name}: {status}")
