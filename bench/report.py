@@ -89,8 +89,8 @@ def targets(res: dict[str, Any]) -> list[str]:
     sys_ = _systems(res)
     llama = _level(sys_.get("llama-server", {}), HEADLINE_LEVEL).get("output_tok_s")
     nowarm = _max_ratio(sys_.get("ours-tp1-nowarmup", {}).get("study"))
-    names = [n for n in sys_ if n in OURS]
-    ours = [sys_[n] for n in OURS if n in sys_]
+    names = [n for n in sys_ if n in OURS]  # columns in run order, under their own names
+    ours = [sys_[n] for n in names]
     if not ours:
         return ["No server of ours in this run."]
 

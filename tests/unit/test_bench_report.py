@@ -65,3 +65,10 @@ def test_render_sections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert "No server of ours" not in text and "![t.png](t.png)" in lines
     notes = [ln for ln in lines if ln.startswith("- CONTENDED")]
     assert len(notes) == 1 and "ours-tp1 c=1 (20%)" in notes[0]  # the stale note is replaced
+
+
+def test_targets_columns_follow_their_headers() -> None:
+    res = {"systems": {"ours-tp2": {"ready_s": 12.0}, "ours-tp1": {"ready_s": 8.0}}}
+    lines = report.targets(res)
+    assert lines[0] == "| target | ours-tp2 | ours-tp1 |"
+    assert "| launch to ready < 10 s | missed (12.0 s) | met (8.0 s) |" in lines
