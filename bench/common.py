@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,3 +156,14 @@ def foreign_cpu_share(
 
 def cmdline(argv: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
+
+
+def md_row(cells: Sequence[object], width: int = 0) -> str:
+    """One markdown table line; a row of fewer than `width` cells ends in empty ones."""
+    return "| " + " | ".join(str(c) for c in cells) + " |" + " |" * (width - len(cells))
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, then one line per row of cells."""
+    width = len(header)
+    return [md_row(header), "|" + "---|" * width, *(md_row(r, width) for r in rows)]

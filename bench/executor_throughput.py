@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import md_table
 from bench.hf_baseline import run_baseline
 from bench.prompts import load_tokenizer, make_prompts
 
@@ -108,16 +109,11 @@ def run(
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    lines = [
-        "| dtype | concurrent requests | executor tok/s | transformers generate tok/s | ratio |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r.dtype} | {r.concurrency} | {r.executor_tok_s:.1f} | {r.transformers_tok_s:.1f} "
-        f"| {r.ratio:.2f}x |"
-        for r in rows
-    ]
-    return "\n".join(lines)
+    header = ["dtype", "concurrent requests", "executor tok/s", "transformers generate tok/s",
+              "ratio"]  # fmt: skip
+    cells = ([r.dtype, r.concurrency, f"{r.executor_tok_s:.1f}", f"{r.transformers_tok_s:.1f}",
+              f"{r.ratio:.2f}x"] for r in rows)  # fmt: skip
+    return "\n".join(md_table(header, cells))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from bench.common import md_table
 from bench.prompts import load_tokenizer, make_prompts
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -87,12 +88,10 @@ def run_baseline(
 
 
 def format_table(results: Sequence[GenerateResult]) -> str:
-    lines = ["| dtype | batch | new tokens | seconds | output tok/s |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {r.dtype} | {r.batch} | {r.new_tokens} | {r.seconds:.2f} | {r.output_tok_s:.1f} |"
-        for r in results
-    ]
-    return "\n".join(lines)
+    header = ["dtype", "batch", "new tokens", "seconds", "output tok/s"]
+    rows = ([r.dtype, r.batch, r.new_tokens, f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}"]
+            for r in results)  # fmt: skip
+    return "\n".join(md_table(header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import charts
-from bench.common import RESULTS
+from bench.common import RESULTS, md_table
 
 HEADLINE_LEVEL = 16
 CONTENDED = 0.05  # share of the machine's CPU taken by other work that makes a level suspect
+OURS = ("ours-tp1", "ours-tp2")  # the servers of ours the targets are checked for
 
 
 def _f(v: Any, fmt: str = ".1f", scale: float = 1.0, unit: str = "") -> str:
@@ -25,8 +26,33 @@ def _f(v: Any, fmt: str = ".1f", scale: float = 1.0, unit: str = "") -> str:
     return format(v * scale, fmt) + unit
 
 
-def _level(system: dict[str, Any], c: int) -> dict[str, Any] | None:
-    return next((s for s in system.get("sweep", []) if s["concurrency"] == c), None)
+def _ms(seconds: Any, fmt: str = ".0f") -> str:
+    return _f(seconds, fmt, 1e3)
+
+
+def _x(ratio: Any) -> str:
+    return _f(ratio, ".2f", unit="x")
+
+
+def _pct_of(v: Any, whole: Any) -> str:
+    return _f(v / whole * 100, ".0f", unit="%")
+
+
+def _systems(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return res.get("systems", {})
+
+
+def _floors(res: dict[str, Any]) -> dict[str, Any]:
+    return res.get("floors", {})
+
+
+def _level(system: dict[str, Any], c: int) -> dict[str, Any]:
+    """A system's sweep measurements at concurrency c; {} if that level was not measured."""
+    return next((s for s in system.get("sweep", []) if s["concurrency"] == c), {})
+
+
+def _tok_s(system: dict[str, Any], c: int) -> Any:
+    return _level(system, c).get("output_tok_s", math.nan)
 
 
 def _max_ratio(study: dict[str, Any] | None, key: str = "e2e_ratio") -> float:
@@ -35,90 +61,94 @@ def _max_ratio(study: dict[str, Any] | None, key: str = "e2e_ratio") -> float:
 
 
 def headline(res: dict[str, Any]) -> list[str]:
-    floor = res.get("floors", {}).get("decode_floor_bf16", {})
-    f16 = floor.get("batch16_tok_s", math.nan)
-    lines = [
-        f"| system | launch to ready (s) | tok/s @{HEADLINE_LEVEL} | TTFT p50 @{HEADLINE_LEVEL} (ms) "
-        f"| ITL p50 @{HEADLINE_LEVEL} (ms) | first-10 worst / steady | % of decode floor @16 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, sys_ in res.get("systems", {}).items():
+    f16 = _floors(res).get("decode_floor_bf16", {}).get("batch16_tok_s", math.nan)
+    c = HEADLINE_LEVEL
+    header = ["system", "launch to ready (s)", f"tok/s @{c}", f"TTFT p50 @{c} (ms)",
+              f"ITL p50 @{c} (ms)", "first-10 worst / steady", "% of decode floor @16"]  # fmt: skip
+    rows: list[list[Any]] = []
+    for name, sys_ in _systems(res).items():
         if sys_.get("status") != "ok":
-            lines.append(f"| {name} | {sys_.get('status')} | | | | | |")
+            rows.append([name, sys_.get("status")])  # the other cells stay empty
             continue
-        lv = _level(sys_, HEADLINE_LEVEL) or {}
+        lv = _level(sys_, c)
         tok = lv.get("output_tok_s", math.nan)
-        lines.append(
-            f"| {name} | {_f(sys_.get('ready_s'), '.2f')} | {_f(tok)} "
-            f"| {_f(lv.get('ttft_p50_s'), '.0f', 1e3)} | {_f(lv.get('itl_p50_s'), '.1f', 1e3)} "
-            f"| {_f(_max_ratio(sys_.get('study')), '.2f', unit='x')} | {_f(tok / f16 * 100 if f16 else math.nan, '.0f', unit='%')} |"
-        )
-    return lines
+        rows.append([
+            name, _f(sys_.get("ready_s"), ".2f"), _f(tok), _ms(lv.get("ttft_p50_s")),
+            _ms(lv.get("itl_p50_s"), ".1f"), _x(_max_ratio(sys_.get("study"))),
+            _pct_of(tok, f16) if f16 else "n/a",
+        ])  # fmt: skip
+    return md_table(header, rows)
+
+
+def _verdict(met: bool, detail: str) -> str:
+    return f"{'met' if met else 'missed'} ({detail})"
 
 
 def targets(res: dict[str, Any]) -> list[str]:
     """The team's targets (issue 5), checked against this run for each server of ours."""
-    sys_ = res.get("systems", {})
-    llama = (_level(sys_.get("llama-server", {}), HEADLINE_LEVEL) or {}).get("output_tok_s")
+    sys_ = _systems(res)
+    llama = _level(sys_.get("llama-server", {}), HEADLINE_LEVEL).get("output_tok_s")
     nowarm = _max_ratio(sys_.get("ours-tp1-nowarmup", {}).get("study"))
-    lines = ["| target | " + " | ".join(n for n in sys_ if n in ("ours-tp1", "ours-tp2")) + " |"]
-    ours = [sys_[n] for n in ("ours-tp1", "ours-tp2") if n in sys_]
+    names = [n for n in sys_ if n in OURS]  # columns in run order, under their own names
+    ours = [sys_[n] for n in names]
     if not ours:
         return ["No server of ours in this run."]
-    lines.append("|---|" + "---|" * len(ours))
-
-    def row(label: str, cell: Any) -> str:
-        return f"| {label} | " + " | ".join(cell(s) for s in ours) + " |"
 
     def tput(s: dict[str, Any]) -> str:
-        t = (_level(s, HEADLINE_LEVEL) or {}).get("output_tok_s")
+        t = _level(s, HEADLINE_LEVEL).get("output_tok_s")
         if t is None or llama is None:
             return "n/a"
-        return f"{'met' if t >= llama else 'missed'} ({t:.0f} vs {llama:.0f} tok/s)"
+        return _verdict(t >= llama, f"{t:.0f} vs {llama:.0f} tok/s")
 
     def ready(s: dict[str, Any]) -> str:
         r = s.get("ready_s")
-        return "n/a" if r is None else f"{'met' if r < 10 else 'missed'} ({r:.1f} s)"
+        return "n/a" if r is None else _verdict(r < 10, f"{r:.1f} s")
 
     def warm(s: dict[str, Any]) -> str:
         m = _max_ratio(s.get("study"))
-        return "n/a" if math.isnan(m) else f"{'met' if m <= 1.1 else 'missed'} ({m:.2f}x)"
+        return "n/a" if math.isnan(m) else _verdict(m <= 1.1, _x(m))
 
-    lines += [
-        row(f"throughput @{HEADLINE_LEVEL} >= llama-server", tput),
-        row("launch to ready < 10 s", ready),
-        row("first 10 requests within 1.1x of steady state (warmup auto)", warm),
-        f"\nWithout warmup (ours-tp1-nowarmup) the worst of the first 10 requests was "
-        f"{_f(nowarm, '.2f', unit='x')} the steady-state median.",
+    rows = [
+        [f"throughput @{HEADLINE_LEVEL} >= llama-server", *map(tput, ours)],
+        ["launch to ready < 10 s", *map(ready, ours)],
+        ["first 10 requests within 1.1x of steady state (warmup auto)", *map(warm, ours)],
     ]
-    return lines
+    return [
+        *md_table(["target", *names], rows),
+        f"\nWithout warmup (ours-tp1-nowarmup) the worst of the first 10 requests was "
+        f"{_x(nowarm)} the steady-state median.",
+    ]
 
 
 def _sweep_table(res: dict[str, Any]) -> list[str]:
-    lines = [
-        "| system | concurrency | requests | errors | length mismatches | output tok/s "
-        "| TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | e2e p50 (s) | other work's CPU share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, sys_ in res.get("systems", {}).items():
-        for s in sys_.get("sweep", []):
-            lines.append(
-                f"| {name} | {s['concurrency']} | {s['requests']} | {s['errors']} "
-                f"| {s['token_count_mismatches']} | {_f(s['output_tok_s'])} "
-                f"| {_f(s['ttft_p50_s'], '.0f', 1e3)} / {_f(s['ttft_p99_s'], '.0f', 1e3)} "
-                f"| {_f(s['itl_p50_s'], '.1f', 1e3)} / {_f(s['itl_p99_s'], '.1f', 1e3)} "
-                f"| {_f(s['e2e_p50_s'], '.2f')} | {_f(s.get('foreign_cpu_share'), '.0%')} |"
-            )
-    return lines
+    header = ["system", "concurrency", "requests", "errors", "length mismatches", "output tok/s",
+              "TTFT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "e2e p50 (s)",
+              "other work's CPU share"]  # fmt: skip
+
+    def p50_p99(s: dict[str, Any], metric: str, fmt: str) -> str:
+        return f"{_ms(s[f'{metric}_p50_s'], fmt)} / {_ms(s[f'{metric}_p99_s'], fmt)}"
+
+    rows = (
+        [name, s["concurrency"], s["requests"], s["errors"], s["token_count_mismatches"],
+         _f(s["output_tok_s"]), p50_p99(s, "ttft", ".0f"), p50_p99(s, "itl", ".1f"),
+         _f(s["e2e_p50_s"], ".2f"), _f(s.get("foreign_cpu_share"), ".0%")]
+        for name, sys_ in _systems(res).items()
+        for s in sys_.get("sweep", [])
+    )  # fmt: skip
+    return md_table(header, rows)
 
 
 def _floors_section(res: dict[str, Any]) -> list[str]:
-    fl = res.get("floors", {})
+    fl = _floors(res)
     if not fl:
         return ["Floors were not measured."]
+
+    def gbs(key: str) -> str:
+        return json.dumps({k: round(v, 2) for k, v in fl[key].items()})
+
     out = [
-        f"- memory read bandwidth: {json.dumps({k: round(v, 2) for k, v in fl['memory_read_gbs'].items()})} GB/s",
-        f"- host memory copy (pre-faulted destination): {json.dumps({k: round(v, 2) for k, v in fl['memory_copy_gbs'].items()})} GB/s",
+        f"- memory read bandwidth: {gbs('memory_read_gbs')} GB/s",
+        f"- host memory copy (pre-faulted destination): {gbs('memory_copy_gbs')} GB/s",
         f"- matmul rate: bfloat16 {_f(fl['bf16_matmul_tflops'], '.3f')} TFLOP/s, "
         f"float32 {_f(fl['fp32_matmul_tflops'], '.3f')} TFLOP/s ({fl['threads']} threads)",
     ]
@@ -140,42 +170,34 @@ def _floors_section(res: dict[str, Any]) -> list[str]:
 
 
 def _distance(res: dict[str, Any]) -> list[str]:
-    dfl = res.get("floors", {}).get("decode_floor_bf16")
+    dfl = _floors(res).get("decode_floor_bf16")
     if not dfl:
         return ["No decode floor (model not measured)."]
-    lines = ["| system | c=1 tok/s | % of batch-1 floor | c=16 tok/s | % of batch-16 floor |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    rows = [(n, _level(s, 1), _level(s, 16)) for n, s in res.get("systems", {}).items()
-            if s.get("sweep")]  # fmt: skip
-    base = {b["batch"]: b for b in res.get("hf_baseline", []) if b["dtype"] == "bfloat16"}
-    rows.append(("transformers generate", base.get(1), base.get(16)))
-    for name, l1, l16 in rows:
-        t1 = (l1 or {}).get("output_tok_s", math.nan)
-        t16 = (l16 or {}).get("output_tok_s", math.nan)
-        lines.append(
-            f"| {name} | {_f(t1)} | {_f(t1 / dfl['batch1_tok_s'] * 100, '.0f', unit='%')} "
-            f"| {_f(t16)} | {_f(t16 / dfl['batch16_tok_s'] * 100, '.0f', unit='%')} |"
-        )
-    return lines
+    rows = [(n, _tok_s(s, 1), _tok_s(s, 16)) for n, s in _systems(res).items() if s.get("sweep")]
+    base = {b["batch"]: b.get("output_tok_s", math.nan) for b in res.get("hf_baseline", [])
+            if b["dtype"] == "bfloat16"}  # fmt: skip
+    rows.append(("transformers generate", base.get(1, math.nan), base.get(16, math.nan)))
+    return md_table(
+        ["system", "c=1 tok/s", "% of batch-1 floor", "c=16 tok/s", "% of batch-16 floor"],
+        ([n, _f(t1), _pct_of(t1, dfl["batch1_tok_s"]), _f(t16), _pct_of(t16, dfl["batch16_tok_s"])]
+         for n, t1, t16 in rows),
+    )  # fmt: skip
 
 
 def _cold_start(res: dict[str, Any]) -> list[str]:
-    lines = [
-        "| system | launch to ready (s) | page cache dropped | load average at launch | note |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {n} | {_f(s.get('ready_s'), '.2f')} | {s.get('page_cache_dropped', False)} "
-        f"| {s.get('loadavg_at_launch', '')} | {s.get('compile_cache', '')} |"
-        for n, s in res.get("systems", {}).items()
-        if s.get("status") == "ok"
-    ]
-    st = res.get("floors", {}).get("storage_read")
-    cp = res.get("floors", {}).get("memory_copy_gbs", {})
-    for n, s in res.get("systems", {}).items():
+    systems = _systems(res)
+    lines = md_table(
+        ["system", "launch to ready (s)", "page cache dropped", "load average at launch", "note"],
+        ([n, _f(s.get("ready_s"), ".2f"), s.get("page_cache_dropped", False),
+          s.get("loadavg_at_launch", ""), s.get("compile_cache", "")]
+         for n, s in systems.items() if s.get("status") == "ok"),
+    )  # fmt: skip
+    st = _floors(res).get("storage_read")
+    cp = _floors(res).get("memory_copy_gbs", {})
+    for n, s in systems.items():
         if s.get("bars"):
-            lines += ["", f"Gates of {n}:", "", "| gate | start (s) | seconds |", "|---|---|---|"]
-            lines += [f"| {b['name']} | {b['start']:.3f} | {b['seconds']:.3f} |" for b in s["bars"]]
+            gates = ([b["name"], f"{b['start']:.3f}", f"{b['seconds']:.3f}"] for b in s["bars"])
+            lines += ["", f"Gates of {n}:", "", *md_table(["gate", "start (s)", "seconds"], gates)]
         load = s.get("load")
         if load and st and cp:
             disk_floor = load["bytes"] / (st["gbs"] * 1e9)
@@ -194,18 +216,12 @@ def _cold_start(res: dict[str, Any]) -> list[str]:
 
 
 def _warmup_table(res: dict[str, Any]) -> list[str]:
-    lines = ["| system | steady e2e median (s) | e2e ratio of requests 1..10 | worst TTFT ratio |",
-             "|---|---|---|---|"]  # fmt: skip
-    for n, s in res.get("systems", {}).items():
-        st = s.get("study")
-        if not st:
-            continue
-        ratios = " ".join(_f(v, ".2f") for v in st["e2e_ratio"])
-        lines.append(
-            f"| {n} | {_f(st['steady_median_e2e_s'], '.3f')} | {ratios} "
-            f"| {_f(_max_ratio(st, 'ttft_ratio'), '.2f', unit='x')} |"
-        )
-    return lines
+    studies = {n: s["study"] for n, s in _systems(res).items() if s.get("study")}
+    return md_table(
+        ["system", "steady e2e median (s)", "e2e ratio of requests 1..10", "worst TTFT ratio"],
+        ([n, _f(st["steady_median_e2e_s"], ".3f"), " ".join(_f(v, ".2f") for v in st["e2e_ratio"]),
+          _x(_max_ratio(st, "ttft_ratio"))] for n, st in studies.items()),
+    )  # fmt: skip
 
 
 def contention_notes(res: dict[str, Any]) -> list[str]:
@@ -213,7 +229,7 @@ def contention_notes(res: dict[str, Any]) -> list[str]:
     cores = int(res.get("machine", {}).get("cores") or 1)
     busy = [
         f"{n} c={lv['concurrency']} ({lv['foreign_cpu_share']:.0%})"
-        for n, s in res.get("systems", {}).items()
+        for n, s in _systems(res).items()
         for lv in s.get("sweep", [])
         if lv.get("foreign_cpu_share", 0.0) > CONTENDED
     ]
@@ -225,70 +241,46 @@ def contention_notes(res: dict[str, Any]) -> list[str]:
     ]
 
 
+def _blocks(*blocks: str | list[str]) -> str:
+    """Markdown from blocks of lines (a str is a one-line block), each followed by a blank line."""
+    return "\n".join(line for b in blocks for line in ([b] if isinstance(b, str) else b) + [""])
+
+
 def render(res: dict[str, Any], out: Path) -> str:
     pngs = charts.render_all(res, out, HEADLINE_LEVEL)
     res.setdefault("notes", [])
     res["notes"] = [n for n in res["notes"] if not n.startswith("CONTENDED")]
     res["notes"] += contention_notes(res)
     m, v = res.get("machine", {}), res.get("versions", {})
-    md = [
+    text = _blocks(
         f"# Benchmark report {res.get('started_utc', '')}",
-        "",
         f"Mode: {'quick (smoke run; numbers are not comparable)' if res.get('quick') else 'full'}; "
         f"duration {_f(res.get('duration_s'), '.0f')} s.",
-        "",
         "## Headline",
-        "",
-        *headline(res),
-        "",
+        headline(res),
         "Targets:",
-        "",
-        *targets(res),
-        "",
+        targets(res),
         "## Machine and versions",
-        "",
-        *[f"- {k}: {val}" for k, val in {**m, **v}.items()],
-        "",
+        [f"- {k}: {val}" for k, val in {**m, **v}.items()],
         f"Workload: `{json.dumps(res.get('workload', {}))}`",
-        "",
         "## 1. Served throughput and latency",
-        "",
-        *_sweep_table(res),
-        "",
+        _sweep_table(res),
         "transformers `generate` (offline, no server):",
-        "",
-        *_baseline_table(res),
-        "",
+        _baseline_table(res),
         "## 2. Cold start",
-        "",
-        *_cold_start(res),
-        "",
+        _cold_start(res),
         "## 3. What warmup buys",
-        "",
-        *_warmup_table(res),
-        "",
+        _warmup_table(res),
         "## 4. The limit",
-        "",
-        *_floors_section(res),
-        "",
-        *_distance(res),
-        "",
+        _floors_section(res),
+        _distance(res),
         "## Charts",
-        "",
-        *[f"![{p}]({p})" for p in pngs],
-        "",
+        [f"![{p}]({p})" for p in pngs],
         "## Notes",
-        "",
-        *[f"- {n}" for n in res.get("notes", [])],
-        "",
+        [f"- {n}" for n in res.get("notes", [])],
         "## Commands run",
-        "",
-        "```",
-        *res.get("commands", []),
-        "```",
-        "",
-    ]
-    text = "\n".join(md)
+        ["```", *res.get("commands", []), "```"],
+    )
     (out / "report.md").write_text(text)
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return text

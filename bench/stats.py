@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -46,16 +48,15 @@ class LoadSummary:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation, as numpy's default; nan if empty."""
+    """numpy's q-th percentile (0..100, linear interpolation) over the non-nan values; nan if none.
+
+    nan marks a failed request's latency, so it is left out rather than poisoning the result.
+    """
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile must be in [0, 100], got {q}")
-    data = sorted(v for v in values if not math.isnan(v))
-    if not data:
-        return math.nan
-    pos = (len(data) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    data = np.asarray(values, dtype=float)
+    data = data[~np.isnan(data)]
+    return float(np.percentile(data, q)) if data.size else math.nan
 
 
 def median(values: list[float]) -> float:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from bench.loadgen import LoadSpec, parse_sse_line
-from bench.stats import RequestResult, chunk_token_count, percentile, summarize, usage_tokens
+from bench.stats import (
+    RequestResult,
+    chunk_token_count,
+    median,
+    percentile,
+    summarize,
+    usage_tokens,
+)
 
 
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
@@ -21,8 +28,15 @@ def test_percentile_edges() -> None:
     assert math.isnan(percentile([], 50))
     assert percentile([4.0], 99) == 4.0
     assert percentile([1.0, math.nan, 3.0], 50) == 2.0  # nan (failed request) is ignored
-    with pytest.raises(ValueError):
-        percentile([1.0], 101)
+    assert math.isnan(percentile([math.nan, math.nan], 50))
+    for q in (101, -1, math.nan):
+        with pytest.raises(ValueError):
+            percentile([1.0], q)
+
+
+def test_median_matches_numpy_and_skips_nan() -> None:
+    assert median([3.0, 1.0, math.nan, 2.0, 10.0]) == pytest.approx(float(np.median([3, 1, 2, 10])))
+    assert math.isnan(median([]))
 
 
 def _ok(i: int, ttft: float, itl: list[float], tokens: int) -> RequestResult:
