@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.profile import BuildProfile
+from runtime.comm import Comm
 from runtime.golden import run_local
 from runtime.mpi import child_env, mpirun_argv
 
@@ -17,7 +18,7 @@ from runtime.mpi import child_env, mpirun_argv
 def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile: BuildProfile) -> dict[str, Any]:
     """Run the freshly built engine on every rank (under mpirun when tp > 1)."""
     if tp == 1:
-        record = run_local(engine_dir, backend, dtype, profile.tokens_per_block)
+        record = run_local(engine_dir, backend, dtype, profile.tokens_per_block, Comm())
         assert record is not None
         return record
     out = engine_dir / ".golden.json"

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.comm import Comm, finish
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.runner import ModelRunner
 
@@ -93,14 +95,13 @@ def check_golden(record: dict[str, Any], observed: list[list[tuple[int, float]]]
     return ok, f"max logit deviation {worst:.3g} over {len(observed)} steps (tolerance {tol:.3g})"
 
 
-def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int) -> dict[str, Any] | None:
+def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
+              comm: Comm) -> dict[str, Any] | None:
     """Run the golden prompt on this process's rank; returns the record on rank 0."""
-    from runtime.comm import Comm
     from runtime.engine import worker_loop
     from runtime.executors.torch import runner_from_engine
     from runtime.models.parallel import TPContext
 
-    comm = Comm.from_mpi()
     comm.init_process_group("gloo")
     tp = TPContext(comm.rank, comm.size)
     blocks = (64 + GOLDEN_STEPS) // block_size + 2
@@ -116,9 +117,21 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int) -> di
             "top_logits": tops, "dtype": dtype}
 
 
-if __name__ == "__main__":
-    _dir, _backend, _dtype, _bs, _out = sys.argv[1:6]
+def main(argv: list[str]) -> None:
+    """One rank of the build's golden run under mpirun; rank 0 writes the record."""
+    engine_dir, backend, dtype, block_size, out = argv
     torch.set_num_threads(1)
-    rec = run_local(Path(_dir), _backend, _dtype, int(_bs))
-    if rec is not None:
-        Path(_out).write_text(json.dumps(rec))
+    comm = Comm.from_mpi()
+    code = 1
+    try:
+        rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm)
+        if rec is not None:
+            Path(out).write_text(json.dumps(rec))
+        code = 0
+    except Exception:
+        traceback.print_exc()
+    finish(code, comm)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:6])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from contract.manifest import read_manifest
-from runtime.comm import Comm
+from runtime.comm import Comm, finish
 from runtime.executors.torch import runner_from_engine
 from runtime.models.parallel import TPContext
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
@@ -53,3 +53,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.comm import Comm
+from runtime.comm import Comm, finish
 from runtime.engine import LLMEngine, worker_loop
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.parallel import TPContext
@@ -54,3 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish(0)
