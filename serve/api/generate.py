@@ -140,7 +140,7 @@ class _Run:
     def _finish(self, reason: str) -> str:
         metrics = self.state.metrics
         metrics.e2e.observe(time.perf_counter() - self.arrival)
-        metrics.request_success.inc(finished_reason=reason)
+        metrics.request_success.labels(finished_reason=reason).inc()
         return reason
 
     def usage(self) -> dict[str, int]:

@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from serve.api.generate import dumps, handle_chat, handle_completions
 from serve.api.protocol import ApiError
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
-from serve.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -77,7 +77,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         log.exception("unhandled error serving %s %s", request.method, request.path)
         resp = error_response(ApiError(500, "internal server error; see the server log",
                                        code="internal_error"))
-    state.metrics.http_requests.inc(route=route, status=str(resp.status))
+    state.metrics.http_requests.labels(route=route, status=str(resp.status)).inc()
     return resp
 
 
@@ -136,8 +136,10 @@ async def _metrics(request: web.Request) -> web.Response:
         except Exception:  # a scrape must not fail because the engine is unhappy
             log.exception("executor.stats() failed during a metrics scrape")
     state.metrics.refresh(stats, _gates(state))
-    return web.Response(body=state.metrics.registry.render().encode(),
-                        headers={"Content-Type": MetricsRegistry.CONTENT_TYPE})
+    # generate_latest writes text format 0.0.4 (our names need no escaping); say so rather
+    # than CONTENT_TYPE_LATEST, which is version=1.0.0 from prometheus_client 0.23 on.
+    return web.Response(body=generate_latest(state.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
 
 def build_app(state: ServerState) -> web.Application:

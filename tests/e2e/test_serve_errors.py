@@ -131,10 +131,8 @@ def test_abuse_does_not_disturb_a_running_request_and_the_server_keeps_serving(
     assert after.choices[0].text == reference.completion("The quick brown fox", 16).text
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
-    found = [v for n, lab, v in parse_metrics(text)[2] if n == name and lab == labels]
-    assert len(found) == 1, (name, labels)
-    return found[0]
+def _metric(text: str, name: str, **labels: str) -> float:
+    return parse_metrics(text).value(name, **labels)  # the parse refuses duplicate series
 
 
 def test_client_disconnect_mid_stream_cancels_the_request(server: Server) -> None:
@@ -164,7 +162,7 @@ def test_metrics_count_traffic_and_expose_gate_durations(server: Server) -> None
                                              temperature=0)
     assert server.call("POST", C, b"{").status == 400
     text = server.metrics()
-    types = parse_metrics(text)[1]
+    types = parse_metrics(text).types
     assert all(n.startswith("llmserve_") for n in types), sorted(types)
     for name, kind in [("time_to_first_token_seconds", "histogram"),
                        ("inter_token_latency_seconds", "histogram"),
@@ -175,21 +173,21 @@ def test_metrics_count_traffic_and_expose_gate_durations(server: Server) -> None
                        ("request_success_total", "counter"), ("startup_gate_seconds", "gauge")]:
         assert types.get(f"llmserve_{name}") == kind, name
 
-    def delta(name: str, labels: str = "") -> float:
-        old = [v for n, lab, v in parse_metrics(before)[2] if n == name and lab == labels]
-        return _metric(text, name, labels) - (old[0] if old else 0.0)
+    def delta(name: str, **labels: str) -> float:
+        old = parse_metrics(before).get(name, **labels)
+        return _metric(text, name, **labels) - (old or 0.0)
 
     prompt_tokens, completion_tokens = usage_of(got)
     assert delta("llmserve_prompt_tokens_total") == prompt_tokens
     assert delta("llmserve_generation_tokens_total") == completion_tokens == 12
-    assert delta("llmserve_request_success_total", 'finished_reason="length"') == 1
+    assert delta("llmserve_request_success_total", finished_reason="length") == 1
     assert delta("llmserve_time_to_first_token_seconds_count") == 1
     assert delta("llmserve_e2e_request_latency_seconds_count") == 1
     assert delta("llmserve_inter_token_latency_seconds_count") == completion_tokens - 1
-    assert delta("llmserve_http_requests_total", 'route="/v1/completions",status="400"') == 1
+    assert delta("llmserve_http_requests_total", route="/v1/completions", status="400") == 1
     assert _metric(text, "llmserve_num_requests_running") == 0
     gates = {g["name"]: g["seconds"] for g in server.call("GET", "/v1/engine").json()["gates"]}
     for gate in GATE_NAMES:
-        value = _metric(text, "llmserve_startup_gate_seconds", f'gate="{gate}"')
+        value = _metric(text, "llmserve_startup_gate_seconds", gate=gate)
         assert value == pytest.approx(gates[gate]) and value >= 0, gate
     assert gates["kernels"] > 0 and gates["load"] > 0

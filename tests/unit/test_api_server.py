@@ -205,13 +205,11 @@ def test_metrics_exposition_counts_responses_and_gate_seconds(server) -> None:
     call(handle.port, "GET", "/health/live")
     status, headers, raw = call(handle.port, "GET", "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    _, types, samples = parse_metrics(raw.decode())
-    assert types["llmserve_time_to_first_token_seconds"] == "histogram"
-    values = {(n, lab): v for n, lab, v in samples}
-    assert values[("llmserve_startup_gate_seconds", 'gate="resolve"')] == 0.5
-    assert values[("llmserve_http_requests_total", 'route="unmatched",status="404"')] == 1
-    assert values[("llmserve_http_requests_total",
-                   'route="/health/live",status="200"')] == 1
+    page = parse_metrics(raw.decode())
+    assert page.types["llmserve_time_to_first_token_seconds"] == "histogram"
+    assert page.value("llmserve_startup_gate_seconds", gate="resolve") == 0.5
+    assert page.value("llmserve_http_requests_total", route="unmatched", status="404") == 1
+    assert page.value("llmserve_http_requests_total", route="/health/live", status="200") == 1
 
 
 def test_a_stalled_client_does_not_block_others(server) -> None:

@@ -1,177 +1,209 @@
-"""Prometheus text exposition of serve.metrics."""
+"""The /metrics page of serve.metrics: names, types, help, labels, buckets, refresh."""
 
 from __future__ import annotations
 
-import math
-import re
-import threading
+from dataclasses import dataclass, field
 
+import prometheus_client
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.types import ExecutorStats
-from serve.metrics import Counter, Histogram, MetricsRegistry, ServingMetrics, format_value
+from serve.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, ServingMetrics
 
-# One sample line: name, optional {labels}, value (text format 0.0.4).
-SAMPLE_RE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
-    r'(?:\{(?P<labels>(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*",?)*)\})?'
-    r' (?P<value>[-+]?(?:[0-9.eE+-]+|Inf|NaN))$')
+SeriesKey = tuple[str, frozenset[tuple[str, str]]]
 
 
-def parse(text: str) -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, float]]]:
-    """A strict little parser: returns HELP and TYPE per family and all samples."""
+@dataclass
+class Page:
+    """A parsed exposition page, keyed by the names as they appear on it."""
+
+    helps: dict[str, str] = field(default_factory=dict)  # family (as on its TYPE line) -> help
+    types: dict[str, str] = field(default_factory=dict)  # family -> counter/gauge/histogram
+    samples: dict[SeriesKey, float] = field(default_factory=dict)
+    series: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # in page order
+
+    def get(self, name: str, **labels: str) -> float | None:
+        """The value of the series with exactly these labels, or None if it is absent."""
+        return self.samples.get((name, frozenset(labels.items())))
+
+    def value(self, name: str, **labels: str) -> float:
+        value = self.get(name, **labels)
+        assert value is not None, f"no series {name} {labels}"
+        return value
+
+    def labels(self, name: str) -> list[dict[str, str]]:
+        """The label sets of every series of one sample name, in page order."""
+        return [labels for n, labels in self.series if n == name]
+
+
+def parse(text: str) -> Page:
+    """Parse with prometheus_client's own parser; also insist on HELP, a known TYPE and
+    no duplicate series, which the parser alone lets through."""
     assert text.endswith("\n")
-    helps: dict[str, str] = {}
-    types: dict[str, str] = {}
-    samples: list[tuple[str, str, float]] = []
-    for line in text.rstrip("\n").split("\n"):
-        if line.startswith("# HELP "):
-            name, _, doc = line[7:].partition(" ")
-            assert name not in helps, f"duplicate HELP for {name}"
-            helps[name] = doc
-        elif line.startswith("# TYPE "):
-            name, _, kind = line[7:].partition(" ")
-            assert kind in ("counter", "gauge", "histogram"), line
-            assert name in helps, "TYPE must follow HELP"
-            types[name] = kind
-        else:
-            m = SAMPLE_RE.match(line)
-            assert m, f"malformed sample line: {line!r}"
-            samples.append((m["name"], m["labels"] or "", float(m["value"])))
-    return helps, types, samples
+    page = Page()
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("counter", "gauge", "histogram"), (family.name, family.type)
+        assert family.documentation, f"{family.name} has no HELP"
+        # The parser names a counter family without `_total`; the page (TYPE line and
+        # samples) carries it, so key by that.
+        name = family.name + "_total" if family.type == "counter" else family.name
+        assert name not in page.types, f"duplicate family {name}"
+        page.helps[name], page.types[name] = family.documentation, family.type
+        for s in family.samples:
+            if family.type == "counter":
+                assert s.name == name, f"counter sample {s.name} of {name}"
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in page.samples, f"duplicate series {key}"
+            page.samples[key] = s.value
+            page.series.append((s.name, s.labels))
+    return page
 
 
-def test_counter_gauge_render_with_help_type_and_labels() -> None:
-    reg = MetricsRegistry()
-    c = reg.counter("llmserve_requests_total", "Requests.\nSecond line \\ slash.", ("code",))
-    c.inc(code="200")
-    c.inc(2, code="200")
-    c.inc(code='4"0\n0')
-    g = reg.gauge("llmserve_temp", "A gauge.")
-    g.set(0.25)
-    text = reg.render()
-    helps, types, samples = parse(text)
-    assert helps["llmserve_requests_total"] == "Requests.\\nSecond line \\\\ slash."
-    assert types == {"llmserve_requests_total": "counter", "llmserve_temp": "gauge"}
-    assert ("llmserve_requests_total", 'code="200"', 3.0) in samples
-    assert 'llmserve_requests_total{code="4\\"0\\n0"} 1.0' in text.splitlines()
-    assert ("llmserve_temp", "", 0.25) in samples
+def render(m: ServingMetrics) -> str:
+    return generate_latest(m.registry).decode()
 
 
-def test_histogram_buckets_are_cumulative_with_inf_sum_and_count() -> None:
-    reg = MetricsRegistry()
-    h = reg.histogram("llmserve_latency_seconds", "Latency.", [0.1, 1.0, 10.0])
-    for v in (0.05, 0.1, 0.5, 2.0, 100.0):
-        h.observe(v)
-    _, types, samples = parse(reg.render())
-    assert types["llmserve_latency_seconds"] == "histogram"
-    buckets = [(lab, v) for n, lab, v in samples if n == "llmserve_latency_seconds_bucket"]
-    # le is an upper bound, inclusive: 0.1 falls in the 0.1 bucket.
-    assert buckets == [('le="0.1"', 2), ('le="1.0"', 3), ('le="10.0"', 4), ('le="+Inf"', 5)]
-    values = {n: v for n, _, v in samples}
-    assert values["llmserve_latency_seconds_count"] == 5
-    assert values["llmserve_latency_seconds_sum"] == pytest.approx(102.65)
-    assert h.count() == 5
+# name on the page -> (type, help, label names): what dashboards and alerts depend on.
+EXPECTED = {
+    "llmserve_time_to_first_token_seconds":
+        ("histogram", "Time from request arrival to its first generated token.", ()),
+    "llmserve_inter_token_latency_seconds":
+        ("histogram", "Time between consecutive generated tokens of a request.", ()),
+    "llmserve_e2e_request_latency_seconds":
+        ("histogram", "Time from request arrival to its last token.", ()),
+    "llmserve_num_requests_running": ("gauge", "Requests in the running batch.", ()),
+    "llmserve_num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", ()),
+    "llmserve_kv_cache_usage_ratio":
+        ("gauge", "Fraction of paged KV-cache blocks in use (0 to 1).", ()),
+    "llmserve_startup_gate_seconds":
+        ("gauge", "Duration of each startup readiness gate.", ("gate",)),
+    "llmserve_num_preemptions_total":
+        ("counter", "Requests preempted (recomputed) by the scheduler.", ()),
+    "llmserve_prompt_tokens_total":
+        ("counter", "Prompt tokens of HTTP requests that reached their first output token.", ()),
+    "llmserve_generation_tokens_total": ("counter", "Tokens generated for HTTP requests.", ()),
+    "llmserve_request_success_total":
+        ("counter", "Requests finished, by finish reason.", ("finished_reason",)),
+    "llmserve_http_requests_total":
+        ("counter", "HTTP responses by route and status code.", ("route", "status")),
+}
 
 
-def test_labelled_histogram_keeps_le_last_and_series_apart() -> None:
-    reg = MetricsRegistry()
-    h = reg.histogram("llmserve_step_seconds", "Step.", [1.0], ("phase",))
-    h.observe(0.5, phase="prefill")
-    h.observe(3.0, phase="decode")
-    lines = reg.render().splitlines()
-    assert 'llmserve_step_seconds_bucket{phase="decode",le="1.0"} 0' in lines
-    assert 'llmserve_step_seconds_bucket{phase="decode",le="+Inf"} 1' in lines
-    assert 'llmserve_step_seconds_count{phase="prefill"} 1' in lines
+def test_names_types_help_and_label_names() -> None:
+    m = ServingMetrics()
+    m.refresh(None, [{"name": "load", "seconds": 1.0}])
+    m.request_success.labels(finished_reason="stop").inc()
+    m.http_requests.labels(route="/v1/completions", status="200").inc()
+    text = render(m)
+    page = parse(text)
+    assert page.types == {name: kind for name, (kind, _, _) in EXPECTED.items()}
+    assert page.helps == {name: doc for name, (_, doc, _) in EXPECTED.items()}
+    lines = text.splitlines()
+    for name, (kind, _, labelnames) in EXPECTED.items():
+        assert f"# TYPE {name} {kind}" in lines  # counters are typed under their _total name
+        sample = f"{name}_count" if kind == "histogram" else name
+        assert [tuple(lab) for lab in page.labels(sample)] == [labelnames], name
+    # No `_created` series: the page has the same samples as before prometheus_client.
+    assert not any("_created" in line for line in lines)
 
 
-def test_unlabelled_metrics_export_zero_before_any_update() -> None:
-    reg = MetricsRegistry()
-    reg.counter("llmserve_x_total", "X.")
-    reg.histogram("llmserve_y_seconds", "Y.", [1.0])
-    _, _, samples = parse(reg.render())
-    assert ("llmserve_x_total", "", 0.0) in samples
-    assert ("llmserve_y_seconds_count", "", 0.0) in samples
+def test_unlabelled_series_start_at_zero_and_labelled_ones_appear_when_used() -> None:
+    page = parse(render(ServingMetrics()))
+    for name in ("llmserve_num_requests_running", "llmserve_num_preemptions_total",
+                 "llmserve_prompt_tokens_total", "llmserve_time_to_first_token_seconds_count",
+                 "llmserve_e2e_request_latency_seconds_sum"):
+        assert page.value(name) == 0.0, name
+    for name in ("llmserve_startup_gate_seconds", "llmserve_request_success_total",
+                 "llmserve_http_requests_total"):
+        assert page.labels(name) == [], name
 
 
-@pytest.mark.parametrize(("make", "match"), [
-    (lambda r: r.counter("vllm_requests_total", "no prefix"), "llmserve_"),
-    (lambda r: r.counter("llmserve_requests", "no _total"), "_total"),
-    (lambda r: r.gauge("llmserve_bad-name", "dash"), "must match"),
-    (lambda r: r.gauge("llmserve_g", "le label", ("le",)), "invalid label"),
-    (lambda r: r.histogram("llmserve_h", "unsorted", [2.0, 1.0]), "increasing"),
+@pytest.mark.parametrize(("attr", "name", "buckets"), [
+    ("ttft", "llmserve_time_to_first_token_seconds", TTFT_BUCKETS),
+    ("itl", "llmserve_inter_token_latency_seconds", ITL_BUCKETS),
+    ("e2e", "llmserve_e2e_request_latency_seconds", E2E_BUCKETS),
 ])
-def test_invalid_definitions_are_rejected(make, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        make(MetricsRegistry())
+def test_histogram_buckets_are_cumulative_with_inclusive_bounds(
+        attr: str, name: str, buckets: tuple[float, ...]) -> None:
+    m = ServingMetrics()
+    low, high = buckets[0], buckets[-1]
+    for v in (low / 2, low, high, high * 2):  # a bucket's bound is inclusive: low is in it
+        getattr(m, attr).observe(v)
+    page = parse(render(m))
+    bounds = [lab["le"] for lab in page.labels(f"{name}_bucket")]
+    assert bounds == [repr(b) for b in buckets] + ["+Inf"]
+    assert page.value(f"{name}_bucket", le=repr(low)) == 2
+    assert page.value(f"{name}_bucket", le=repr(buckets[1])) == 2
+    assert page.value(f"{name}_bucket", le=repr(high)) == 3
+    assert page.value(f"{name}_bucket", le="+Inf") == 4
+    assert page.value(f"{name}_count") == 4
+    assert page.value(f"{name}_sum") == pytest.approx(low * 1.5 + high * 3)
 
 
-def test_counter_rejects_decrease_and_wrong_labels() -> None:
-    c = Counter("llmserve_c_total", "C.", ("a",))
-    with pytest.raises(ValueError, match="only go up"):
-        c.inc(-1, a="x")
-    with pytest.raises(ValueError, match="takes labels"):
-        c.inc(b="x")
-    c.set_total(5, a="x")
-    c.set_total(3, a="x")  # a restarted source must not move the counter back
-    assert c.value(a="x") == 5
+def test_bucket_boundaries_are_unchanged() -> None:
+    assert TTFT_BUCKETS == (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                            1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+    assert ITL_BUCKETS == (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                           0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+    assert E2E_BUCKETS == (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                           30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-def test_registry_returns_existing_metric_and_refuses_type_clash() -> None:
-    reg = MetricsRegistry()
-    assert reg.counter("llmserve_a_total", "A.") is reg.counter("llmserve_a_total", "A.")
-    with pytest.raises(ValueError, match="already registered"):
-        reg.gauge("llmserve_a_total", "A.")
-
-
-def test_format_value_special_floats() -> None:
-    assert format_value(math.inf) == "+Inf"
-    assert format_value(-math.inf) == "-Inf"
-    assert format_value(math.nan) == "NaN"
-    assert format_value(3) == "3.0"
-
-
-def test_concurrent_observations_are_not_lost() -> None:
-    h = Histogram("llmserve_h_seconds", "H.", [0.5])
-
-    def work() -> None:
-        for _ in range(5000):
-            h.observe(0.1)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert h.count() == 20000
-
-
-def test_serving_metrics_names_and_scrape_refresh() -> None:
+def test_scrape_refresh_sets_gauges_and_gate_seconds() -> None:
     m = ServingMetrics()
     stats = ExecutorStats(running=3, waiting=2, kv_blocks_total=10, kv_blocks_used=4,
                           preemptions_total=7)
-    gates = [{"name": "load", "seconds": 1.5}, {"name": "warmup", "seconds": None}]
+    gates = [{"name": "load", "seconds": 1.5}, {"name": "warmup", "seconds": None},
+             {"name": "flag", "seconds": True}]
     m.refresh(stats, gates)
-    helps, types, samples = parse(m.registry.render())
-    assert all(name.startswith("llmserve_") for name in helps)
-    expected = {
-        "llmserve_time_to_first_token_seconds": "histogram",
-        "llmserve_inter_token_latency_seconds": "histogram",
-        "llmserve_e2e_request_latency_seconds": "histogram",
-        "llmserve_num_requests_running": "gauge",
-        "llmserve_num_requests_waiting": "gauge",
-        "llmserve_kv_cache_usage_ratio": "gauge",
-        "llmserve_startup_gate_seconds": "gauge",
-        "llmserve_num_preemptions_total": "counter",
-        "llmserve_prompt_tokens_total": "counter",
-        "llmserve_generation_tokens_total": "counter",
-        "llmserve_request_success_total": "counter",
-    }
-    assert expected.items() <= types.items()
-    values = {(n, lab): v for n, lab, v in samples}
-    assert values[("llmserve_num_requests_running", "")] == 3
-    assert values[("llmserve_num_requests_waiting", "")] == 2
-    assert values[("llmserve_kv_cache_usage_ratio", "")] == pytest.approx(0.4)
-    assert values[("llmserve_num_preemptions_total", "")] == 7
-    assert values[("llmserve_startup_gate_seconds", 'gate="load"')] == 1.5
-    assert ("llmserve_startup_gate_seconds", 'gate="warmup"') not in values  # not run yet
+    page = parse(render(m))
+    assert page.value("llmserve_num_requests_running") == 3
+    assert page.value("llmserve_num_requests_waiting") == 2
+    assert page.value("llmserve_kv_cache_usage_ratio") == pytest.approx(0.4)
+    assert page.value("llmserve_num_preemptions_total") == 7
+    # Only gates that ran (a number of seconds, not None nor a bool) get a series.
+    assert page.labels("llmserve_startup_gate_seconds") == [{"gate": "load"}]
+    assert page.value("llmserve_startup_gate_seconds", gate="load") == 1.5
+
+    m.refresh(ExecutorStats(running=0, waiting=0, kv_blocks_total=10), [])
+    page = parse(render(m))
+    assert page.value("llmserve_num_requests_running") == 0
+    assert page.value("llmserve_kv_cache_usage_ratio") == 0
+    assert page.value("llmserve_startup_gate_seconds", gate="load") == 1.5  # kept
+
+
+def test_preemption_counter_mirrors_the_total_and_never_goes_backwards() -> None:
+    m = ServingMetrics()
+
+    def scrape(total: int | None) -> float:
+        m.refresh(None if total is None else ExecutorStats(preemptions_total=total), [])
+        return parse(render(m)).value("llmserve_num_preemptions_total")
+
+    assert scrape(5) == 5
+    assert scrape(5) == 5  # the same total again adds nothing
+    assert scrape(None) == 5  # no stats this scrape (executor failed): unchanged
+    assert scrape(2) == 5  # a restarted source must not move the counter back
+    assert scrape(4) == 5
+    assert scrape(8) == 8  # it follows again once the source passes the highest total
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    a, b = ServingMetrics(), ServingMetrics()  # a second would raise on a shared registry
+    assert a.registry is not b.registry
+    a.generation_tokens.inc(3)
+    a.http_requests.labels(route="/x", status="200").inc()
+    assert parse(render(a)).value("llmserve_generation_tokens_total") == 3
+    page_b = parse(render(b))
+    assert page_b.value("llmserve_generation_tokens_total") == 0
+    assert page_b.labels("llmserve_http_requests_total") == []
+    default = generate_latest(prometheus_client.REGISTRY).decode()
+    assert "llmserve_" not in default  # nothing leaks into the process-global registry
+
+
+def test_label_values_are_escaped_and_survive_a_round_trip() -> None:
+    m = ServingMetrics()
+    odd = 'a "quoted"\nback\\slash'
+    m.http_requests.labels(route=odd, status="404").inc(2)
+    assert parse(render(m)).value("llmserve_http_requests_total", route=odd, status="404") == 2
