@@ -23,7 +23,6 @@ from demo.model import ensure_demo_model
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
-from runtime.mpi import mpirun_argv
 
 QUESTION = "What is the capital of France?"
 
@@ -81,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="serve-demo-"))
-    cmd = [*mpirun_argv(args.tp), sys.executable, "-m", "serve", "launch", "--engine", str(engine),
+    # `serve launch` on its own starts `mpirun -n TP` and owns it, as in a container.
+    cmd = [sys.executable, "-m", "serve", "launch", "--engine", str(engine),
            "--port", str(port), "--run-dir", str(run_dir)]
     print("launch:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
@@ -112,14 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server.poll() is None:
             os.kill(server.pid, signal.SIGTERM)  # what an orchestrator or Ctrl-C does
-        server.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    exits = {}
-    while time.monotonic() < deadline and len(exits) < args.tp:
-        exits = {p.name: p.read_text().strip() for p in run_dir.glob("rank*.exit")}
-        time.sleep(0.1)
-    ok = len(exits) == args.tp and all(v == "0" for v in exits.values())
-    print(f"\nshutdown: {'clean, every rank exited 0' if ok else f'ranks exited {exits}'}")
+        rc = server.wait(timeout=90)
+    exits = {p.name: p.read_text().strip() for p in run_dir.glob("rank*.exit")}
+    ok = rc == 0 and len(exits) == args.tp and all(v == "0" for v in exits.values())
+    print(f"\nshutdown: {'clean, every rank exited 0' if ok else f'exit {rc}, ranks {exits}'}")
     return 0 if ok else 1
 
 

@@ -120,9 +120,10 @@ def _accept_peer(conn: socket.socket, secret: bytes, size: int) -> int:
     return rank
 
 
-def _connect_leader(sock: socket.socket, secret: bytes, rank: int) -> None:
-    """A peer's side: prove we know the secret, and check that rank 0 does too."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+def _connect_leader(sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> None:
+    """A peer's side: prove we know the secret, and check that rank 0 does too. Rank 0
+    may be busy refusing a stranger first, so this waits as long as connecting may."""
+    sock.settimeout(timeout_s)
     challenge = recv_exact(sock, NONCE)
     mine = secrets.token_bytes(NONCE)
     sock.sendall(_RANK.pack(rank) + mine + _mac(secret, b"peer", challenge, rank))
@@ -166,7 +167,7 @@ class Comm:
             self._peers = [peers[r] for r in range(1, self.size)]
         else:
             sock = socket.create_connection((self.boot.plan_host, self.boot.plan_port), connect_timeout_s)
-            _connect_leader(sock, secret, self.rank)
+            _connect_leader(sock, secret, self.rank, connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._leader = sock
 

@@ -19,7 +19,7 @@ from runtime.runner import ModelRunner
 from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
-from runtime.types import EventCallback, ExecutorStats, SamplingParams, TokenEvent
+from runtime.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
 
 
 @dataclass(slots=True)
@@ -96,17 +96,18 @@ class LLMEngine:
         except ValueError as e:
             with self._lock:
                 self._unfinished -= 1
-            cb(TokenEvent(request_id, [], "error", len(prompt), error=str(e)))
+            cb(TokenEvent(request_id, [], "rejected", len(prompt), error=str(e)))
             return
         self._requests[sid] = _Request(seq, cb, make_generator(params))
         self._by_id[request_id] = sid
 
-    def _finish(self, sid: int, reason: str) -> None:
+    def _finish(self, sid: int, reason: FinishReason, error: str | None = None) -> None:
         req = self._requests.pop(sid)
         self._by_id.pop(req.seq.request_id, None)
         with self._lock:
             self._unfinished -= 1
-        req.on_event(TokenEvent(req.seq.request_id, [], reason, req.seq.num_prompt_tokens))  # type: ignore[arg-type]
+        req.on_event(TokenEvent(req.seq.request_id, [], reason, req.seq.num_prompt_tokens,
+                                error=error))
 
     def step(self) -> StepPlan | None:
         """Run one iteration if there is work; returns the plan it ran."""
@@ -148,11 +149,19 @@ class LLMEngine:
                    "prefix_cache_queries_total": float(s.prefix_cache_queries_total)},
         )
 
-    def abort_all(self, reason: str = "cancelled") -> None:
+    def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:
         self._drain_inbox()
         for sid in list(self._requests):
-            if self.scheduler.abort(sid):
-                self._finish(sid, reason)
+            if self.scheduler.abort(sid, reason):
+                self._finish(sid, reason, error)
+
+    def fail_all(self, why: str) -> None:
+        """The engine cannot go on: end every request, queued or running, with an error.
+        Called on the engine thread after a failed step; the scheduler's state is not
+        trusted any more, so requests are ended directly."""
+        self._drain_inbox()
+        for sid in list(self._requests):
+            self._finish(sid, "error", why)
 
     def shutdown_workers(self) -> None:
         if self.comm is not None:

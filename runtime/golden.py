@@ -105,6 +105,7 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
     comm.init_process_group("gloo")
     tp = TPContext(comm.rank, comm.size)
     blocks = (64 + GOLDEN_STEPS) // block_size + 2
+    # The build's own fresh output: no manifest yet (it records what this run computes).
     runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size)
     if comm.rank != 0:
         worker_loop(runner, comm)

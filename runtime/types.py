@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# "rejected": refused at admission, the request's own fault (a 400); "error": the engine
+# failed while serving it (a 500).
+FinishReason = Literal["stop", "length", "cancelled", "rejected", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,7 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
-    error: str | None = None  # set with finish_reason "error"
+    error: str | None = None  # set with finish_reason "rejected" or "error"
 
 
 @dataclass(slots=True)

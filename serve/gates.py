@@ -6,6 +6,7 @@ then reports it, every rank exits non-zero, and nobody takes traffic.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from contract.errors import BuildError
 
 GATE_NAMES = (
     "resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
@@ -60,29 +63,50 @@ class GateLog:
     def get(self, name: str) -> Gate:
         return next(g for g in self.gates if g.name == name)
 
+    def evidence(self, name: str) -> dict[str, Any]:
+        """A copy of a gate's evidence, safe to hand to another thread."""
+        with self._lock:
+            return copy.deepcopy(self.get(name).evidence)
+
+    def amend(self, name: str, **evidence: Any) -> None:
+        """Add to a closed gate's evidence (a later gate learned more about it)."""
+        with self._lock:
+            self.get(name).evidence.update(evidence)
+
     @contextmanager
     def run(self, name: str) -> Iterator[dict[str, Any]]:
-        """Time a gate; the body fills in the evidence dict or raises GateFailure."""
+        """Time a gate; the body fills in the evidence dict or raises GateFailure.
+
+        The body writes a private dict, published under the lock when the gate closes:
+        the HTTP thread reads the timeline at any moment (/health/ready), and a dict that
+        grows while it is being serialized fails the read.
+        """
         gate = self.get(name)
         with self._lock:
             gate.state, gate.start = "running", time.perf_counter() - self.t0
+        evidence: dict[str, Any] = {}
         try:
-            yield gate.evidence
+            yield evidence
         except GateFailure as e:
-            self._close(gate, "failed", f"{e.cause} — {e.remedy}")
+            self._close(gate, "failed", f"{e.cause} — {e.remedy}", evidence)
             raise
+        except BuildError as e:  # a refusal with its own cause and remedy (engine files)
+            self._close(gate, "failed", f"{e.cause} — {e.remedy}", evidence)
+            raise GateFailure(name, e.cause, e.remedy) from None
         except Exception as e:  # an unexpected error still fails the gate by name
-            self._close(gate, "failed", f"{type(e).__name__}: {e}")
+            self._close(gate, "failed", f"{type(e).__name__}: {e}", evidence)
             raise GateFailure(name, f"{type(e).__name__}: {e}", "see the worker log") from e
-        self._close(gate, "passed", None)
+        self._close(gate, "passed", None, evidence)
 
-    def _close(self, gate: Gate, state: str, reason: str | None) -> None:
+    def _close(self, gate: Gate, state: str, reason: str | None,
+               evidence: dict[str, Any]) -> None:
         with self._lock:
             gate.state, gate.end, gate.reason = state, time.perf_counter() - self.t0, reason
+            gate.evidence = evidence
 
     def to_list(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [g.to_dict() for g in self.gates]
+            return copy.deepcopy([g.to_dict() for g in self.gates])
 
     def table(self) -> str:
         """The cold-start report as one readable table."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
+API_KEY_ENV = "AOTLLM_API_KEY"
+EXIT_DRAIN_CUT = 3  # the drain's deadline cut requests off (0: every request completed)
 CPU_KV_FRACTION = 0.05
 GPU_KV_FRACTION = 0.9
 
@@ -22,6 +25,10 @@ class LaunchConfig:
     drain_timeout: float = 30.0
     log_level: str = "info"
     run_dir: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 1 << 20
+    max_connections: int = 1024
+    header_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -38,6 +45,14 @@ class LaunchConfig:
             raise ValueError(f"--warmup must be auto or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(f"--api-key (or {API_KEY_ENV}) must not be empty")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if not self.header_timeout > 0:
+            raise ValueError(f"--header-timeout must be positive, got {self.header_timeout}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -66,6 +81,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; "
+                   "prefer the variable: a flag is visible to every user in the process list)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted, else 413 (default 1 MiB)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections at once; more are closed at accept (default 1024)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a new connection has to send its request header (default 10)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="write rank{N}.pid and, at exit, rank{N}.exit (exit code) here")
     return p
@@ -77,4 +101,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
+        api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
+        max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
+        header_timeout=ns.header_timeout,
     )

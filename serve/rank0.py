@@ -8,9 +8,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
 from serve.api import HttpServerHandle, ServerState
 from serve.backends import Backend, EngineFault
 from serve.gates import GateFailure, GateLog
+from serve.launch import EXIT_DRAIN_CUT
 from serve.startup import Evidence, Startup, engine_summary, read_generation_eos
 
 if TYPE_CHECKING:
@@ -36,8 +38,8 @@ class Rank0:
         return {
             "engine": engine_summary(m) if m else None,
             "gates": self.log.to_list(),
-            "load": self.st.rank_loads or [self.log.get("load").evidence],
-            "kv_cache": self.log.get("allocate").evidence,
+            "load": self.st.rank_loads or [self.log.evidence("load")],
+            "kv_cache": self.log.evidence("allocate"),
             "world_size": self.comm.size,
             "phase": self.state.readiness.phase,
             "pid": os.getpid(),
@@ -47,17 +49,20 @@ class Rank0:
         """Gate 1 on rank 0: the tokenizer, and with it the ids that end a sequence."""
         from transformers import AutoTokenizer
 
-        m, model = self.st.manifest, self.st.model
-        assert m is not None and model is not None
+        m, model, files = self.st.manifest, self.st.model, self.st.files
+        assert m is not None and model is not None and files is not None
+        # Only the tokenizer files the manifest lists, from their verified copies.
+        files.get_listed((*TOKENIZER_FILES, GENERATION_CONFIG))
         try:
-            tok = AutoTokenizer.from_pretrained(self.cfg.engine)
+            tok = AutoTokenizer.from_pretrained(files.dir)
         except (OSError, ValueError) as e:
             raise GateFailure("resolve", f"the engine has no usable tokenizer ({e})",
                               "rebuild from a checkpoint that includes its tokenizer files") from None
         self.state.tokenizer = tok
         self.state.model_name = m.model_name
         self.state.max_seq_len = m.profile.max_seq_len
-        self.state.stop_token_ids = read_generation_eos(self.cfg.engine)
+        self.state.stop_token_ids = read_generation_eos(files.dir)
+        self.state.vocab_size = model.vocab_size
         eos = tuple(dict.fromkeys((*self.state.eos_token_ids(), *model.eos_token_ids)))
         pad = getattr(tok, "pad_token_id", None)
         self.st.eos_token_ids = eos
@@ -94,11 +99,23 @@ class Rank0:
             self.http.stop(timeout=2)
             return 1
         log.info("admission open; cold start:\n%s", self.log.table())
-        self._serve(backend)
+        cut = self._serve(backend)
         backend.finalize()
-        return 0
+        return EXIT_DRAIN_CUT if cut else 0
 
-    def _serve(self, backend: Backend) -> None:
+    def _fail(self, why: str) -> None:
+        """The engine failed: every request already has its error; let the HTTP layer send
+        them (a 500, or a final SSE error event), then end the job."""
+        log.error("%s; exiting", why)
+        self.state.readiness.set("failed", why)
+        t_end = time.monotonic() + 2
+        while self.state.in_flight() and time.monotonic() < t_end:
+            time.sleep(0.01)
+        self.http.stop(timeout=2)
+        self.life.exit_now(1)
+
+    def _serve(self, backend: Backend) -> int:
+        """Serve until drained; returns how many requests the drain deadline cut off."""
         executor = self.state.executor
         assert executor is not None
         deadline: float | None = None
@@ -115,9 +132,7 @@ class Rank0:
             try:
                 backend.poll(0.02 if deadline else 0.1)
             except EngineFault as e:
-                log.error("%s; exiting", e)
-                self.state.readiness.set("failed", str(e))
-                self.life.exit_now(1)
+                self._fail(str(e))
         left = backend.close()
         # Let the HTTP layer send the last responses before closing it.
         t_end = time.monotonic() + 2
@@ -125,3 +140,4 @@ class Rank0:
             time.sleep(0.01)
         self.http.stop(timeout=5)
         log.info("drained (%d request(s) cut at the deadline); exiting", left)
+        return left

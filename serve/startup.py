@@ -18,6 +18,7 @@ from contract.errors import BuildError
 from contract.layout import GENERATION_CONFIG
 from contract.manifest import Manifest, read_manifest
 from runtime.comm import Comm
+from runtime.engine_files import EngineFiles
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
@@ -41,6 +42,7 @@ class Startup:
     manifest: Manifest | None = None
     model: ModelConfig | None = None
     backend: Backend | None = None
+    files: EngineFiles | None = None  # verified private copies of what the gates read
     rank_loads: list[Evidence] = field(default_factory=list)  # every rank's load evidence
     # Rank 0 learns these from the tokenizer in gate 1; the backend reads them afterwards.
     eos_token_ids: tuple[int, ...] = ()
@@ -87,6 +89,7 @@ class Startup:
         except BuildError as e:
             raise GateFailure("resolve", e.cause, e.remedy) from None
         self.manifest = m
+        self.files = EngineFiles(self.cfg.engine, m)
         self.backend = make_backend(m.backend, self)
         self.backend.resolve(ev)
         ev.update(engine_id=m.engine_id, model=m.model_name, backend=m.backend, tp=m.tp,

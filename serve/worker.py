@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from runtime.comm import Bootstrap, Comm
+from runtime.engine_files import close_all
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig, parse
 from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
@@ -50,6 +51,7 @@ class Lifecycle:
 
     def exit_now(self, code: int) -> None:
         """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
+        close_all()
         _write_run_file(self.run_dir, self.rank, "exit", code)
         sys.stderr.flush()
         os._exit(code)
@@ -81,7 +83,10 @@ def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     from serve.api import HttpBindError, ServerState, start_http_server
     from serve.rank0 import Rank0
 
-    state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2, max_queue=cfg.max_queue)
+    state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
+                        max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
+                        api_key=cfg.api_key, max_connections=cfg.max_connections,
+                        header_timeout=cfg.header_timeout)
     try:
         http = start_http_server(state, cfg.host, cfg.port)
     except HttpBindError as e:
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionError, OSError) as e:
         print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
     finally:
+        close_all()
         _write_run_file(cfg.run_dir, rank, "exit", rc)
     return rc
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from contract.layout import rank_package, rank_shard
+from contract.layout import ENGINE_CONFIG, rank_package, rank_shard
 from runtime.checkpoint import load_engine_model_config, open_weights, read_model_config
+from runtime.engine_files import EngineFiles
 from runtime.loader import load_shard
 from runtime.models.config import ModelConfig
 from runtime.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
@@ -54,12 +55,24 @@ def runner_from_checkpoint(
 
 def runner_from_engine(
     engine_dir: Path, backend: str, dtype: str, tp: TPContext, num_blocks: int, block_size: int,
-    device: str = "cpu",
+    device: str = "cpu", files: EngineFiles | None = None,
 ) -> tuple[ModelRunner, ModelConfig]:
-    """A runner over a built engine's rank shard (read and hashed by the loader)."""
-    cfg = load_engine_model_config(engine_dir)
+    """A runner over a built engine's rank shard (read and hashed by the loader).
+
+    With `files` (the engine's manifest, runtime/engine_files.py) every file is checked
+    before it is used and the package is loaded from its verified copy; without, only the
+    build itself may call this, on the engine it has just written (no manifest yet).
+    """
+    src = engine_dir if files is None else files.get(ENGINE_CONFIG).parent
+    cfg = load_engine_model_config(src)
+    if files is not None:
+        files.require(rank_shard(tp.rank))
     shard = load_shard(engine_dir / rank_shard(tp.rank), device)
-    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, engine_dir, device)
+    if files is not None:
+        files.check(rank_shard(tp.rank), shard.sha256)
+        if backend == "aoti":
+            src = files.get(rank_package(tp.rank)).parent
+    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
     runner = ModelRunner(step_fn, kv, block_size)
     runner.keepalive = shard

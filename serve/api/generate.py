@@ -127,13 +127,13 @@ class _Run:
                                                         event.finish_reason)
         if event.finish_reason == "cancelled":
             raise ApiError(503, "the request was cancelled by the server", code="cancelled")
+        reason = event.error or "unknown error"
+        if event.finish_reason == "rejected":
+            # The engine refuses at admission what it can never serve (e.g. more KV
+            # blocks than the cache has): the client can fix that, so it is a 400.
+            raise ApiError(400, f"the engine rejected the request: {reason}",
+                           code="engine_rejected")
         if event.finish_reason == "error":
-            reason = event.error or "unknown error"
-            if self.completion_tokens == 0:
-                # The engine refuses at admission what it can never serve (e.g. more KV
-                # blocks than the cache has): the client can fix that, so it is a 400.
-                raise ApiError(400, f"the engine rejected the request: {reason}",
-                               code="engine_rejected")
             raise ApiError(500, f"generation failed: {reason}", code="generation_error")
         return delta.text, None
 
@@ -201,7 +201,7 @@ async def _generate(request: web.Request, state: ServerState, kind: str,
     if tokenizer is None:
         raise unavailable(state)
     prompt_ids = await asyncio.get_running_loop().run_in_executor(
-        None, encode_prompt, req, tokenizer)
+        None, encode_prompt, req, tokenizer, state.vocab_size)
     params = build_sampling_params(req, len(prompt_ids), state.max_seq_len,
                                    state.eos_token_ids())
     executor = state.executor

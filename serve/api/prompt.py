@@ -15,22 +15,28 @@ from serve.api.protocol import ApiError, GenerationRequest
 GREEDY_EPS = 1e-5
 
 
-def encode_prompt(req: GenerationRequest, tokenizer: Any) -> list[int]:
-    """Token ids of the prompt; chat requests go through the model's chat template."""
+def encode_prompt(req: GenerationRequest, tokenizer: Any, vocab_size: int | None = None
+                  ) -> list[int]:
+    """Token ids of the prompt; chat requests go through the model's chat template.
+
+    Every id must be one the model has an embedding for and the tokenizer can decode:
+    below both the model's `vocab_size` and the tokenizer's length (they can differ,
+    and an id between the two would fail inside the engine rather than here)."""
     if req.kind == "chat":
         ids = _apply_chat_template(req, tokenizer)
     elif req.prompt_token_ids is not None:
         ids = list(req.prompt_token_ids)
-        vocab = len(tokenizer)
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is out of range; the vocabulary has "
-                           f"{vocab} tokens", param="prompt", code="invalid_value")
     else:
         assert req.prompt is not None
         ids = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
     if not ids:
         raise ApiError(400, "the prompt encodes to zero tokens", param="prompt",
+                       code="invalid_value")
+    vocab = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt token id {bad} is out of range; the model's vocabulary "
+                       f"has {vocab} tokens", param="messages" if req.kind == "chat" else "prompt",
                        code="invalid_value")
     return ids
 

@@ -1,10 +1,11 @@
 """OpenAI request parsing and validation: JSON body -> `GenerationRequest`, or `ApiError`.
 
 Pure functions (no I/O, no event loop) so the whole validation table is unit-testable.
-Unknown fields are ignored like OpenAI does; known fields with a wrong type or value are
-a 400 naming the parameter. Features we do not implement (n > 1, logprobs, echo, tools,
-penalties, structured output) are a 400 rather than silently ignored, because a client
-relying on them would otherwise get wrong results without noticing.
+A field with a wrong type or value is a 400 naming the parameter. So is every field this
+server does not honour (as OpenAI answers "Unrecognized request argument"): a client that
+relies on logprobs, penalties, logit_bias, tools or structured output would otherwise get
+wrong results without noticing. A feature's neutral value (n=1, logprobs=false, a zero
+penalty, ...) and null are accepted, since they ask for nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # per stop string: the matcher holds back this much text per request
 MAX_SEED = 2**63 - 1
+# Fields each endpoint honours (null is always accepted as "absent").
+_SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                       "stream_options", "ignore_eos", "n", "presence_penalty",
+                       "frequency_penalty", "logprobs", "response_format", "tools",
+                       "user"})  # user: an end-user id for abuse tracing; no effect on output
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "echo", "suffix"}
+CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens"}
+# Fields not honoured, accepted only with the value that asks for nothing.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "best_of": (1,), "min_tokens": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "top_logprobs": (0,), "tool_choice": ("none",), "functions": ([],),
+}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _DEFAULT_TYPE = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -142,7 +156,19 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
                    "are allowed")
     if any(s == "" for s in stops):
         raise _bad("stop", "'stop' strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad("stop", f"'stop' strings may be at most {MAX_STOP_CHARS} characters long")
     return tuple(dict.fromkeys(stops))  # de-duplicated, order kept
+
+
+def _refuse_unhonoured(body: dict[str, Any], honoured: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name in honoured or value is None:
+            continue
+        if name in _NEUTRAL and value in _NEUTRAL[name] and type(value) is not bool:
+            continue
+        raise _bad(name, f"'{name}' is not supported by this server; remove it",
+                   "unsupported_parameter")
 
 
 def _unsupported(body: dict[str, Any]) -> None:
@@ -203,6 +229,7 @@ def _check_max_tokens(name: str, value: int | None) -> int | None:
 
 def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
     """Validate a POST /v1/completions body."""
+    _refuse_unhonoured(body, COMPLETION_FIELDS)
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
     prompt: object = body["prompt"]
@@ -261,6 +288,7 @@ def _message_text(i: int, msg: dict[str, Any]) -> str:
 
 def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
     """Validate a POST /v1/chat/completions body."""
+    _refuse_unhonoured(body, CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise _bad("messages", "'messages' is required", "missing_required_parameter")

@@ -22,11 +22,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from serve.api.generate import dumps, handle_chat, handle_completions
+from serve.api.guard import ConnectionGuard, check_api_key
+from serve.api.openapi import openapi_spec
 from serve.api.protocol import ApiError
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GUARD_KEY: web.AppKey[ConnectionGuard] = web.AppKey("llmserve_guard", ConnectionGuard)
 
 
 class HttpBindError(OSError):
@@ -62,7 +65,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
+    guard = request.app.get(GUARD_KEY)
+    if guard is not None:
+        guard.request_started(request)
     try:
+        check_api_key(request)
         resp = await handler(request)
     except ApiError as exc:
         resp = error_response(exc)
@@ -82,6 +89,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _live(request: web.Request) -> web.Response:
+    """200 while the process can serve or is getting there; 503 once it has failed (the
+    job is exiting), so a liveness probe restarts it even if the exit were to hang."""
+    readiness = request.app[STATE_KEY].readiness
+    if readiness.phase == "failed":
+        return json_response({"status": "failed", "reason": readiness.reason}, status=503)
     return json_response({"status": "live"})
 
 
@@ -156,7 +168,12 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_spec(request.app[STATE_KEY]))
 
 
 def _bind(host: str, port: int, backlog: int) -> socket.socket:
@@ -191,7 +208,9 @@ class HttpServerHandle:
 
     def __init__(self, state: ServerState, sock: socket.socket) -> None:
         self.state = state
+        self.guard = ConnectionGuard(state.max_connections, state.header_timeout)
         self.app = build_app(state)
+        self.app[GUARD_KEY] = self.guard
         self._sock = sock
         address = sock.getsockname()
         self.host: str = address[0]
@@ -220,9 +239,13 @@ class HttpServerHandle:
         try:
             # handler_cancellation: a client that disconnects cancels its handler, whose
             # `finally` then cancels the request in the executor.
+            state = self.state
             runner = web.AppRunner(self.app, handle_signals=False, access_log=None,
-                                   handler_cancellation=True, shutdown_timeout=1.0)
+                                   handler_cancellation=True, shutdown_timeout=1.0,
+                                   keepalive_timeout=state.keepalive_timeout)
             loop.run_until_complete(runner.setup())
+            assert runner.server is not None
+            self.guard.attach(runner.server)
             loop.run_until_complete(web.SockSite(runner, self._sock).start())
             self._runner = runner
         except BaseException as exc:
@@ -261,7 +284,7 @@ class HttpServerHandle:
         self._thread.join(timeout)
 
 
-def start_http_server(state: ServerState, host: str = "0.0.0.0", port: int = 8000, *,
+def start_http_server(state: ServerState, host: str = "127.0.0.1", port: int = 8000, *,
                       backlog: int = 1024) -> HttpServerHandle:
     """Bind host:port (raises HttpBindError, an OSError, naming the port), start serving on
     a daemon thread, and return once requests are being accepted."""

@@ -81,7 +81,12 @@ class ServerState:
     engine_report: Callable[[], dict[str, Any]] = _no_report
     metrics: ServingMetrics = field(default_factory=ServingMetrics)
     stop_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # the model's (rows of its embedding); None: the tokenizer's
     max_body_bytes: int = 1 << 20
+    api_key: str | None = None  # /v1/* needs "Authorization: Bearer <api_key>" when set
+    max_connections: int = 1024
+    header_timeout: float = 10.0  # seconds for a new connection's first request header
+    keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -93,6 +98,12 @@ class ServerState:
             raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key must not be empty")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        if not self.header_timeout > 0 or not self.keepalive_timeout > 0:
+            raise ValueError("header_timeout and keepalive_timeout must be positive")
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
 

@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from contract.manifest import Manifest, hash_file
+from contract.manifest import Manifest
+from runtime.engine_files import EngineFiles
 from serve.gates import GateFailure
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ class Backend(ABC):
         assert self.st.manifest is not None, "gate 1 (resolve) reads the manifest first"
         return self.st.manifest
 
+    @property
+    def files(self) -> EngineFiles:
+        assert self.st.files is not None, "gate 1 (resolve) reads the manifest first"
+        return self.st.files
+
     # ---- gates -------------------------------------------------------------------------
 
     @abstractmethod
@@ -70,24 +76,22 @@ class Backend(ABC):
         """Read this rank's large files once, hashing them on the way in (self.loaded)."""
 
     def small_files(self) -> tuple[str, ...]:
-        """Other files this rank reads through their own loaders; hashed in verify."""
+        """Other files this rank loads later (kernels); verified copies made in verify."""
         return ()
 
     def verify(self, ev: Evidence) -> None:
         expected = {f.path: f.sha256 for f in self.manifest.rank_files(self.rank)}
         bad = [name for name, digest in self.loaded.items() if expected.get(name) != digest]
-        checked = list(self.loaded)
-        for rel in self.small_files():
-            checked.append(rel)
-            if rel not in expected or hash_file(self.cfg.engine / rel) != expected[rel]:
-                bad.append(rel)
-        first = next(iter(self.loaded.values()), "")
-        ev.update(files=checked, sha256=first[:16], hashed_while_loading=True)
         if bad:
             raise GateFailure(
                 "verify", f"{', '.join(bad)} does not match the manifest's sha256 (corrupted or "
                 "modified)", f"restore or rebuild the engine; `pipeline verify {self.cfg.engine}` "
                 "lists every bad file")
+        for rel in self.small_files():
+            self.files.get(rel)
+        first = next(iter(self.loaded.values()), "")
+        ev.update(files=[*self.loaded, *(f for f in self.files.verified if f not in self.loaded)],
+                  sha256=first[:16], hashed_while_loading=True)
 
     def init_collectives(self) -> str:
         """Bring up the data plane between ranks; returns what it is (connect evidence)."""
@@ -96,7 +100,7 @@ class Backend(ABC):
     def connect(self, ev: Evidence) -> None:
         collectives = self.init_collectives()
         mine = {"rank": self.rank, "engine_id": self.manifest.engine_id,
-                "host": socket.gethostname(), "load": self.st.log.get("load").evidence}
+                "host": socket.gethostname(), "load": self.st.log.evidence("load")}
         everyone = self.comm.allgather(mine)
         ids = {e["engine_id"] for e in everyone}
         if len(ids) > 1 or [e["rank"] for e in everyone] != list(range(self.comm.size)):

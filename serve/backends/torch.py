@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from runtime.plan import StepPlan
 from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
-from serve.backends.base import Backend
+from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
 from serve.warmup import PHASE_DONE, follow, warmup_shapes
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
+# Fault injection for fault tests and soak runs: the engine loop raises at this step.
+FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"
 
 
 class TorchBackend(Backend):
@@ -54,7 +57,7 @@ class TorchBackend(Backend):
     # ---- 1 resolve, 2 compatible, 3 reserve -------------------------------------------
 
     def resolve(self, ev: Evidence) -> None:
-        self.st.model = load_engine_model_config(self.cfg.engine)
+        self.st.model = load_engine_model_config(self.files.get(ENGINE_CONFIG).parent)
 
     def compatible(self, ev: Evidence) -> None:
         m = self.manifest
@@ -105,6 +108,7 @@ class TorchBackend(Backend):
     # ---- 4 load, 5 verify (base), 6 connect -------------------------------------------
 
     def load(self, ev: Evidence) -> None:
+        self.files.require(rank_shard(self.rank))
         path = self.cfg.engine / rank_shard(self.rank)
         read_gbps, mode = floors.storage_read_gbps(path)
         fl: dict[str, Any] = {"storage_read_gbps": round(read_gbps, 3), "storage_mode": mode,
@@ -119,9 +123,9 @@ class TorchBackend(Backend):
                   vs_host_copy_floor=round(shard.read_gbps / fl["host_copy_gbps"], 3))
 
     def small_files(self) -> tuple[str, ...]:
-        if self.manifest.backend == "aoti":  # native code: never loaded unless verified
-            return (ENGINE_CONFIG, rank_package(self.rank))
-        return (ENGINE_CONFIG,)
+        if self.manifest.backend == "aoti":  # native code: loaded from the verified copy
+            return (rank_package(self.rank),)
+        return ()
 
     def init_collectives(self) -> str:
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
@@ -162,11 +166,12 @@ class TorchBackend(Backend):
         m, shard = self.manifest, self.shard
         assert shard is not None and self.kv is not None
         tp = TPContext(self.rank, self.comm.size)
-        step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.cfg.engine,
+        # The package is the copy verified in gate 5, never the engine directory's file.
+        step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
                                self.device)
         self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
         self.runner.keepalive = shard
-        pkg = self.cfg.engine / rank_package(self.rank)
+        pkg = self.files.dir / rank_package(self.rank)
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
                   package_bytes=pkg.stat().st_size if pkg.exists() else 0)
 
@@ -212,9 +217,20 @@ class TorchBackend(Backend):
         return self.engine
 
     def poll(self, timeout: float) -> None:
-        assert self.engine is not None
-        if self.engine.step() is None:
-            self.engine.wait_for_work(timeout)
+        engine = self.engine
+        assert engine is not None
+        try:
+            fault_at = os.environ.get(FAULT_ENV)
+            if fault_at is not None and engine.stats().steps_total >= int(fault_at):
+                raise RuntimeError(f"fault injected at step {fault_at} ({FAULT_ENV})")
+            ran = engine.step()
+        except Exception as e:  # out of memory, a kernel error, a bug: nothing more is served
+            log.debug("the engine step failed", exc_info=True)
+            why = f"the engine failed: {type(e).__name__}: {' '.join(str(e).split())}"
+            engine.fail_all(why)
+            raise EngineFault(why) from e
+        if ran is None:
+            engine.wait_for_work(timeout)
 
     def close(self) -> int:
         assert self.engine is not None

@@ -72,10 +72,10 @@ class TrtllmBackend(Backend):
     # ---- 1 resolve ---------------------------------------------------------------------
 
     def resolve(self, ev: Evidence) -> None:
-        m, engine = self.manifest, self.cfg.engine
+        m = self.manifest
         try:
-            self.engine_config = json.loads((engine / TRTLLM_CONFIG).read_text())
-            self.st.model = load_model_config(engine)
+            self.engine_config = json.loads(self.files.get(TRTLLM_CONFIG).read_text())
+            self.st.model = load_model_config(self.files.get(MODEL_CONFIG_TRTLLM).parent)
             mapping = self.engine_config["pretrained_config"]["mapping"]
             version = self.engine_config["version"]
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -138,6 +138,9 @@ class TrtllmBackend(Backend):
     # ---- 4 load (5 verify: the base class) ----------------------------------------------
 
     def load(self, ev: Evidence) -> None:
+        # TensorRT-LLM reads the engine directory itself (kernels gate): the plan it reads is
+        # the one hashed here, unless the read-only engine file is replaced in between.
+        self.files.require(rank_trt_engine(self.rank))
         path = self.cfg.engine / rank_trt_engine(self.rank)
         floor, mode = floors.storage_read_gbps(path)
         t0 = time.perf_counter()
@@ -151,9 +154,6 @@ class TrtllmBackend(Backend):
                                                "storage_mode": mode},
                   note="TensorRT-LLM deserializes it from the page cache in the kernels gate")
 
-
-    def small_files(self) -> tuple[str, ...]:
-        return (TRTLLM_CONFIG, MODEL_CONFIG_TRTLLM)
 
     def init_collectives(self) -> str:
         return "TensorRT-LLM's own (MPI + NCCL), set up in the kernels gate"
@@ -236,7 +236,7 @@ class TrtllmBackend(Backend):
         st = adapter.stats()
         tpb = int(st.extra.get("kv_tokens_per_block", p.tokens_per_block))
         kv_tokens = st.kv_blocks_total * tpb
-        self.st.log.get("allocate").evidence.update(blocks=st.kv_blocks_total, tokens=kv_tokens)
+        self.st.log.amend("allocate", blocks=st.kv_blocks_total, tokens=kv_tokens)
         if st.kv_blocks_total and kv_tokens < p.max_seq_len:
             raise GateFailure("warmup", f"the KV cache TensorRT-LLM allocated holds {kv_tokens} "
                               f"tokens, less than one {p.max_seq_len}-token sequence",

@@ -227,16 +227,22 @@ class Server:
             time.sleep(0.05)
 
 
-def launch(engine: Path, workdir: Path, n: int = 2, args: tuple[str, ...] = ()) -> Server:
-    """Start `mpirun -n n python -m serve launch --engine engine ...`; returns at once."""
+def launch(engine: Path, workdir: Path, n: int = 2, args: tuple[str, ...] = (),
+           prefix: tuple[str, ...] | None = None, env: dict[str, str] | None = None) -> Server:
+    """Start `mpirun -n n python -m serve launch --engine engine ...`; returns at once.
+
+    With `prefix`, the command is `*prefix python -m serve launch ...` instead: our own
+    launcher starts mpirun (e.g. prefix = ("unshare", "--pid", ...), a container)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_dir = workdir / "run"
     out_path, err_path = workdir / "stdout.log", workdir / "stderr.log"
-    cmd = [*mpirun_cmd(n), sys.executable, "-m", "serve", "launch", "--engine", str(engine),
+    head = [*mpirun_cmd(n)] if prefix is None else list(prefix)
+    cmd = [*head, sys.executable, "-m", "serve", "launch", "--engine", str(engine),
            "--host", HOST, "--port", str(port), "--run-dir", str(run_dir), *args]
     with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=out, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})},
+                                stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     return Server(proc, port, run_dir, out_path, err_path, time.monotonic())
 

@@ -7,6 +7,7 @@ writes rank{N}.exit with its exit code.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from serve.backends.torch import FAULT_ENV
 from tests.e2e.conftest import MODEL, Reference
 from tests.e2e.harness import Server, alive, launch, run_to_exit
 
@@ -53,6 +55,25 @@ class Streamer(threading.Thread):
             self.error = e
         finally:
             self.first.set()
+
+
+class Completion(threading.Thread):
+    """One non-streamed greedy completion on its own thread."""
+
+    def __init__(self, srv: Server, prompt: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.prompt, self.max_tokens = srv, prompt, max_tokens
+        self.text: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            out = self.srv.client(timeout=120).completions.create(
+                model=MODEL, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0,
+                extra_body={"ignore_eos": True})
+            self.text = out.choices[0].text
+        except BaseException as e:
+            self.error = e
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:
@@ -126,6 +147,34 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
         srv.close()
 
 
+def test_an_engine_fault_answers_every_request_and_ends_the_job(
+        engine_dir: Path, tmp_path: Path) -> None:
+    srv = launch(engine_dir, tmp_path, env={FAULT_ENV: "30"})
+    try:
+        srv.wait_ready()
+        stream = Streamer(srv, "The quick brown fox", 150)
+        plain = Completion(srv, "Héllo wörld", 150)
+        stream.start()
+        plain.start()
+        stream.join(60)
+        plain.join(60)
+        # The stream had its headers out: a final SSE error event ends it.
+        assert stream.text and isinstance(stream.error, openai.APIError), stream.error
+        assert "fault injected at step 30" in str(stream.error)
+        assert isinstance(plain.error, openai.InternalServerError), plain.error
+        assert plain.error.status_code == 500 and plain.error.code == "generation_error"
+        faulted = time.monotonic()
+        assert srv.proc.wait(10) != 0, srv.logs()
+        assert time.monotonic() - faulted < 10
+        assert srv.wait_exit_codes(2, 5) == {0: 1, 1: 1}, srv.logs()
+        log_lines = (srv.run_dir / "rank0.log").read_text().splitlines()
+        cause = [ln for ln in log_lines if "the engine failed: RuntimeError: fault injected" in ln]
+        assert len(cause) == 1 and "ERROR" in cause[0], log_lines[-10:]
+        assert "Traceback" not in srv.stderr()
+    finally:
+        srv.close()
+
+
 def test_a_flipped_byte_in_a_shard_fails_the_verify_gate_naming_the_file(
         engine_dir: Path, tmp_path: Path) -> None:
     engine = tmp_path / "engine"
@@ -143,6 +192,36 @@ def test_a_flipped_byte_in_a_shard_fails_the_verify_gate_naming_the_file(
         lines = [ln for ln in err.splitlines() if "gate verify failed" in ln]
         assert lines and all("rank1.safetensors" in ln for ln in lines), srv.logs()
         assert "Traceback" not in err
+    finally:
+        srv.close()
+
+
+def _writable_copy(engine_dir: Path, dst: Path) -> Path:
+    shutil.copytree(engine_dir, dst)
+    for p in dst.iterdir():
+        p.chmod(p.stat().st_mode | stat.S_IWUSR)  # the store makes engines read-only
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["tampered tokenizer", "unlisted config"])
+def test_engine_files_are_read_only_when_the_manifest_lists_and_hashes_them(
+        engine_dir: Path, tmp_path: Path, damage: str) -> None:
+    engine = _writable_copy(engine_dir, tmp_path / "engine")
+    if damage == "tampered tokenizer":  # e.g. a chat template or tokenizer class swapped in
+        path, name = engine / "tokenizer_config.json", "tokenizer_config.json"
+        path.write_text(path.read_text().replace("{", "{ ", 1))
+        expected = f"{name} does not match the manifest's sha256"
+    else:
+        m = json.loads((engine / "manifest.json").read_text())
+        m["files"] = [f for f in m["files"] if f["path"] != "config.json"]
+        (engine / "manifest.json").write_text(json.dumps(m))
+        expected = "config.json is not listed in the engine's manifest"
+    srv, rc = run_to_exit(engine, tmp_path / "serve", n=2)
+    try:
+        assert rc != 0, srv.logs()
+        lines = [ln for ln in srv.stderr().splitlines() if "gate resolve failed" in ln]
+        assert lines and all(expected in ln for ln in lines), srv.logs()
+        assert "Traceback" not in srv.stderr()
     finally:
         srv.close()
 

@@ -15,6 +15,7 @@ import torch
 
 from contract.manifest import read_manifest
 from runtime.comm import Comm, finish
+from runtime.engine_files import EngineFiles
 from runtime.executors.torch import runner_from_engine
 from runtime.models.parallel import TPContext
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
@@ -44,7 +45,7 @@ def main() -> None:
     for engine in engines:
         m = read_manifest(engine)
         runner, _ = runner_from_engine(engine, m.backend, m.dtype, TPContext(comm.rank, comm.size), 32,
-                                       m.profile.tokens_per_block)
+                                       m.profile.tokens_per_block, files=EngineFiles(engine, m))
         rows = [runner.execute(p)[1] for p in plans(m.profile.tokens_per_block)]
         result[str(engine)] = {"backend": m.backend, "logits": torch.cat(rows).tolist()}
     if comm.rank == 0:

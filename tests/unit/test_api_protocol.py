@@ -116,12 +116,37 @@ def test_unparsable_bodies(raw: bytes, fragment: str) -> None:
     assert info.value.status == 400 and fragment in info.value.message
 
 
-def test_valid_completion_defaults_and_unknown_fields_ignored() -> None:
-    req = parse_completion_request({"prompt": "hello", "user": "u1", "best_effort": 3,
-                                    "frequency_penalty": 0, "logprobs": None})
+def test_valid_completion_defaults_and_neutral_fields_accepted() -> None:
+    req = parse_completion_request({"prompt": "hello", "user": "u1", "best_of": 1,
+                                    "frequency_penalty": 0, "logprobs": None,
+                                    "logit_bias": {}, "min_tokens": 0, "foo": None})
     assert req.kind == "completion" and req.prompt == "hello"
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (16, 1.0, 1.0, 0)
     assert (req.stream, req.include_usage, req.ignore_eos, req.stop) == (False, False, False, ())
+
+
+@pytest.mark.parametrize(("endpoint", "field", "value"), [
+    (C, "logit_bias", {"5": 10}), (C, "best_of", 2),
+    (CHAT, "top_logprobs", 3), (CHAT, "tool_choice", "auto"),
+    (CHAT, "functions", [{"name": "f"}]), (C, "min_tokens", 4),
+    (CHAT, "repetition_penalty", 1.2), (C, "best_effort", 3),
+    (CHAT, "parallel_tool_calls", True), (C, "min_tokens", True),
+])
+def test_every_field_not_honoured_is_a_400_naming_it(endpoint: str, field: str, value: Any
+                                                      ) -> None:
+    base = {"prompt": "x"} if endpoint == C else {"messages": MSG}
+    with pytest.raises(ApiError) as info:
+        _parse(endpoint, {**base, field: value})
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, field, "unsupported_parameter")
+    assert f"'{field}'" in err.message
+
+
+def test_stop_strings_have_a_length_bound() -> None:
+    assert parse_completion_request({"prompt": "x", "stop": "a" * 256}).stop == ("a" * 256,)
+    with pytest.raises(ApiError, match="at most 256 characters") as info:
+        parse_completion_request({"prompt": "x", "stop": ["ok", "a" * 257]})
+    assert info.value.param == "stop"
 
 
 def test_valid_completion_all_fields() -> None:
@@ -194,6 +219,18 @@ def test_token_id_prompt_out_of_vocab(tok: PreTrainedTokenizerFast) -> None:
     with pytest.raises(ApiError, match="out of range") as info:
         encode_prompt(req, tok)
     assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_token_id_between_model_and_tokenizer_vocab_is_a_400(tok: PreTrainedTokenizerFast
+                                                              ) -> None:
+    # The model's embedding has fewer rows than the tokenizer has tokens: an id in between
+    # would index past the embedding inside the engine.
+    model_vocab = len(tok) - 4
+    assert encode_prompt(parse_completion_request({"prompt": [model_vocab - 1]}), tok,
+                         model_vocab) == [model_vocab - 1]
+    with pytest.raises(ApiError, match=f"id {model_vocab} is out of range") as info:
+        encode_prompt(parse_completion_request({"prompt": [1, model_vocab]}), tok, model_vocab)
+    assert info.value.status == 400 and str(model_vocab) in info.value.message
 
 
 def test_missing_chat_template_is_a_400() -> None:

@@ -93,10 +93,14 @@ def test_readiness_follows_the_phases(server) -> None:
     state.begin_drain()
     status, _, body = call(handle.port, "GET", "/health/ready")
     assert status == 503 and json.loads(body)["status"] == "draining"
+    assert call(handle.port, "GET", "/health/live")[0] == 200  # live while draining
     state.readiness.set("failed", reason="gate load: shard hash mismatch")
     status, _, body = call(handle.port, "GET", "/health/ready")
     assert status == 503 and json.loads(body)["reason"] == "gate load: shard hash mismatch"
-    assert call(handle.port, "GET", "/health/live")[0] == 200  # live throughout
+    # Failed is the one phase that is not live: the process is on its way out.
+    status, _, body = call(handle.port, "GET", "/health/live")
+    assert status == 503 and json.loads(body) == {"status": "failed",
+                                                  "reason": "gate load: shard hash mismatch"}
 
 
 @pytest.mark.parametrize(("path", "body"), [

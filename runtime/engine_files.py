@@ -1,0 +1,90 @@
+"""An engine's files as a process that runs the engine may read them.
+
+An engine holds code (an AOTInductor package is a shared library; a tokenizer config can
+name classes to load), so nothing of it is read unless the manifest lists it, and nothing
+is read from the engine directory twice: each small file is read once, checked against
+the manifest's size and sha256, and written to a private directory that the loaders then
+open. Another process changing the engine directory after the check changes nothing we
+load. (The weight shard is hashed while it is read into memory, runtime/loader.py, and
+the bytes in memory are the ones served.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from contract.errors import EXIT_FAILURE, BuildError
+from contract.manifest import FileEntry, Manifest
+
+_OPEN: list[EngineFiles] = []
+
+
+class EngineFiles:
+    def __init__(self, engine_dir: Path, manifest: Manifest) -> None:
+        self.engine_dir = engine_dir
+        self.entries: dict[str, FileEntry] = {f.path: f for f in manifest.files}
+        self.dir = Path(tempfile.mkdtemp(prefix="aotllm-verified-"))  # mode 0700
+        self.verified: list[str] = []
+        _OPEN.append(self)
+
+    def listed(self, name: str) -> bool:
+        return name in self.entries
+
+    def require(self, name: str) -> FileEntry:
+        """The manifest's entry for `name`, or a refusal naming the file."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise BuildError(
+                f"{name} is not listed in the engine's manifest, so it is not read "
+                "(an engine holds code: only files the manifest hashes are loaded)",
+                "rebuild the engine with `pipeline build`, or restore its manifest",
+                exit_code=EXIT_FAILURE)
+        return entry
+
+    def check(self, name: str, sha256: str) -> None:
+        """`sha256` (of bytes already read, e.g. a shard hashed while loading) must be the
+        manifest's for `name`."""
+        if self.require(name).sha256 != sha256:
+            raise self._mismatch(name)
+
+    def _mismatch(self, name: str) -> BuildError:
+        return BuildError(f"{name} does not match the manifest's sha256 (corrupted or modified)",
+                          f"restore or rebuild the engine; `pipeline verify {self.engine_dir}` "
+                          "lists every bad file", exit_code=EXIT_FAILURE)
+
+    def get(self, name: str) -> Path:
+        """The private, verified copy of `name` (read and checked once)."""
+        copy = self.dir / PurePosixPath(name)
+        if name in self.verified:
+            return copy
+        entry = self.require(name)
+        try:
+            data = (self.engine_dir / name).read_bytes()
+        except OSError as e:
+            raise BuildError(f"cannot read {name} ({e.strerror or e})",
+                             f"restore or rebuild the engine in {self.engine_dir}",
+                             exit_code=EXIT_FAILURE) from None
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise self._mismatch(name)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(data)
+        self.verified.append(name)
+        return copy
+
+    def get_listed(self, names: tuple[str, ...]) -> list[Path]:
+        """Verified copies of those of `names` the manifest lists (optional files)."""
+        return [self.get(n) for n in names if self.listed(n)]
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self in _OPEN:
+            _OPEN.remove(self)
+
+
+def close_all() -> None:
+    """Remove every private copy (before the process exits, which skips atexit)."""
+    for files in list(_OPEN):
+        files.close()
