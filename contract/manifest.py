@@ -25,6 +25,11 @@ SUPPORTED_SCHEMAS = (1,)
 ENGINE_ID_HEX = 16
 CHUNK = 8 << 20  # 8 MiB reads: large enough for full disk speed, small enough for progress
 _RANK_FILE = re.compile(r"^rank(\d+)\.")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A build stages an engine in <model>/.tmp-<engine-id>-<pid>-<tag>/ and renames it into place
+# when complete: a directory with this prefix is a build in progress (or one that died), never
+# an engine, even when its manifest is already written.
+STAGING_PREFIX = ".tmp-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +40,20 @@ class FileEntry:
     sha256: str
 
     def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise ValueError(f"file path {self.path!r} is not a string")
         p = PurePosixPath(self.path)
-        # A manifest must never point outside its own directory.
-        if p.is_absolute() or ".." in p.parts or not self.path:
+        # A manifest must never point outside its own directory, nor at the directory itself.
+        if p.is_absolute() or ".." in p.parts or not p.parts:
             raise ValueError(f"file path {self.path!r} is not inside the engine directory")
+        if p.as_posix() == MANIFEST_NAME:
+            raise ValueError(f"file path {self.path!r} is the manifest itself")
+        if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
+            raise ValueError(f"file {self.path!r}: rank {self.rank!r} is not a rank number")
+        if type(self.size) is not int or self.size < 0:
+            raise ValueError(f"file {self.path!r}: size {self.size!r} is not a byte count")
+        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
+            raise ValueError(f"file {self.path!r}: sha256 {self.sha256!r} is not a sha256 digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +111,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        if not isinstance(d, dict):
+            raise ValueError(f"the manifest is a JSON {type(d).__name__}, not an object")
         version = d.get("schema_version")
         if version not in SUPPORTED_SCHEMAS:
             raise ValueError(
@@ -103,6 +120,18 @@ class Manifest:
                 f"{', '.join(map(str, SUPPORTED_SCHEMAS))})"
             )
         src = d["source"]
+        files = tuple(
+            FileEntry(f["path"], f["rank"], f["size"], f["sha256"]) for f in d["files"]
+        )
+        seen: set[str] = set()
+        for f in files:
+            norm = PurePosixPath(f.path).as_posix()
+            if norm in seen:
+                raise ValueError(f"file path {f.path!r} is listed twice")
+            seen.add(norm)
+        tp = d["tp"]
+        if type(tp) is not int or tp < 1:
+            raise ValueError(f"tp {tp!r} is not a positive integer")
         return cls(
             schema_version=version,
             engine_id=str(d["engine_id"]),
@@ -110,13 +139,11 @@ class Manifest:
             source=Source(uri=src["uri"], revision=src.get("revision"), digest=src["digest"]),
             backend=d["backend"],
             target=Target.from_dict(d["target"]),
-            tp=int(d["tp"]),
+            tp=tp,
             dtype=d["dtype"],
             profile=BuildProfile(**d["profile"]),
             toolchain={str(k): str(v) for k, v in d["toolchain"].items()},
-            files=tuple(
-                FileEntry(f["path"], f["rank"], int(f["size"]), f["sha256"]) for f in d["files"]
-            ),
+            files=files,
             golden=dict(d.get("golden") or {}),
         )
 
@@ -194,6 +221,13 @@ def write_manifest(engine_dir: Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(engine_dir: Path) -> Manifest:
+    name = Path(engine_dir).absolute().name
+    if name.startswith(STAGING_PREFIX):
+        raise BuildError(
+            f"{engine_dir} is the staging directory of a build that is running or died, "
+            "not an engine",
+            "use the engine directory pipeline build prints as its last line",
+        )
     path = Path(engine_dir) / MANIFEST_NAME
     if not path.is_file():
         hint = "pipeline build prints the engine directory as its last line"

@@ -185,6 +185,8 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
     plan = _plan(cfg, progress, clock)
     src, eid, target = plan.source, plan.engine_id, plan.target
     store = EngineStore(cfg.store)
+    # Every build, a cache hit too, removes what builds that died left in this model directory.
+    store.clean_stale(src.name)
     existing = store.find(src.name, eid)
     if existing is not None:
         manifest = read_manifest(existing)
@@ -247,4 +249,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
         with clock("commit"):
             write_manifest(tmp, manifest)
             final = store.commit(tmp, src.name, eid)
+            # A concurrent build of the same id may have committed first: its engine is the
+            # one in the store, so report its manifest rather than our discarded copy.
+            manifest = read_manifest(final)
     return BuildResult(final, eid, src.name, False, clock.stages, manifest)

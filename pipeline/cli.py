@@ -1,14 +1,18 @@
 """`pipeline build | verify | inspect | list`: the build stage's command line.
 
 Every failure the user can act on is one line on stderr ("error: cause — remedy") and a
-non-zero exit (2 for bad input); a traceback appears only for a genuine bug, with --debug.
+non-zero exit (2 for bad input, 1 for the environment); a traceback appears only for a genuine
+bug, with --debug. SIGTERM and SIGHUP stop a command as Ctrl-C does: the build's staging
+directory is removed on the way out, and the exit status is 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,10 +235,49 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread so that every `finally` runs (the build's
+    staging directory is removed) instead of the process vanishing mid-write."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: object) -> NoReturn:
+    for s in _HANDLED_SIGNALS:  # a second signal must not interrupt the cleanup it started
+        signal.signal(s, signal.SIG_IGN)
+    raise _Terminated(signum)
+
+
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    installed = []
+    if threading.current_thread() is threading.main_thread():
+        for s in _HANDLED_SIGNALS:
+            if signal.getsignal(s) is signal.SIG_DFL:  # keep nohup's ignored SIGHUP ignored
+                signal.signal(s, _on_signal)
+                installed.append(s)
+    try:
+        return _run(args)
+    finally:
+        for s in installed:
+            signal.signal(s, signal.SIG_DFL)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
+    except _Terminated as e:
+        name = signal.Signals(e.signum).name
+        print(
+            f"error: stopped by {name} — nothing was left half-written; run the command again",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
     except BuildError as e:
         if args.debug:  # the library error behind the message, for whoever reports it
             traceback.print_exc()

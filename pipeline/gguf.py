@@ -10,10 +10,11 @@ import os
 import shutil
 from pathlib import Path
 
-from contract.errors import BuildError
+from contract.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
 from contract.manifest import hash_file
 from pipeline.progress import Progress
 from pipeline.resolve import ResolvedSource, check_checkpoint, safe_name
+from pipeline.store import clean_stale, is_disk_full, staging_dir
 
 COMPLETE_MARKER = ".complete"
 
@@ -26,6 +27,7 @@ def resolve_gguf(
     with progress.stage("digest gguf", total=path.stat().st_size, unit="B") as st:
         sha = hash_file(path, st.advance)
     out = cache_dir / "gguf" / f"{safe_name(path.stem)}-{sha[:16]}"
+    clean_stale(out.parent)  # what dequantizations that were killed left, cache hit or not
     if not (out / COMPLETE_MARKER).is_file():
         dequantize_gguf(path, out, progress)
     check_checkpoint(out)
@@ -50,6 +52,21 @@ def check_gguf(path: Path) -> None:
         )
 
 
+def _cache_error(cache: Path, e: BaseException) -> BuildError:
+    if is_disk_full(e):
+        return BuildError(
+            f"disk full while writing the dequantized checkpoint to {cache}",
+            "free some space or set AOT_LLM_CACHE to a larger disk; nothing was left behind",
+            exit_code=EXIT_FAILURE,
+        )
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+    return BuildError(
+        f"cannot write the checkpoint cache {cache} ({reason})",
+        "set AOT_LLM_CACHE to a directory you can write to",
+        exit_code=EXIT_BAD_INPUT,
+    )
+
+
 def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None) -> Path:
     """Dequantize a GGUF into a float32 Hugging Face checkpoint (with tokenizer) at ``out_dir``.
 
@@ -64,11 +81,14 @@ def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None)
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     progress = progress or Progress.silent()
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            # Locked like an engine's staging directory: what a killed run left is removed here.
+            tmp = stack.enter_context(staging_dir(out_dir.parent, out_dir.name))
+        except OSError as e:
+            raise _cache_error(out_dir.parent, e) from e
         with progress.stage("dequantize gguf"):
             try:
                 # The GGUF loader draws its own tqdm bar, which ignores transformers' switch.
@@ -88,11 +108,16 @@ def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None)
                 del model.config.quantization_config
             if hasattr(model, "hf_quantizer"):
                 del model.hf_quantizer
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / COMPLETE_MARKER).write_text(
-                json.dumps({"gguf": gguf.name, "dtype": "float32"}) + "\n"
-            )
+            try:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                (tmp / COMPLETE_MARKER).write_text(
+                    json.dumps({"gguf": gguf.name, "dtype": "float32"}) + "\n"
+                )
+            except Exception as e:
+                if is_disk_full(e):
+                    raise _cache_error(out_dir.parent, e) from e
+                raise
         if out_dir.exists() and not (out_dir / COMPLETE_MARKER).is_file():
             shutil.rmtree(out_dir)  # left by a run that predates the marker or was tampered with
         try:
@@ -100,6 +125,4 @@ def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None)
         except OSError:
             if not (out_dir / COMPLETE_MARKER).is_file():  # not a concurrent twin that won
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from contract.errors import BuildError
+from contract.errors import EXIT_FAILURE, BuildError
 from contract.layout import TOKENIZER_FILES
 from contract.manifest import CHUNK
 from pipeline.progress import Progress
@@ -29,7 +29,12 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json", INDEX_FILE)
 # What an hf:// snapshot needs; keeps us from downloading .bin, .gguf or onnx copies too.
 HF_ALLOW_PATTERNS = [WEIGHT_GLOB, *CONFIG_FILES, *TOKENIZER_FILES]
-_HF_URI = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+_HF_URI = re.compile(r"^hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>.*))?$")
+# The Hub's rules for a repo id part: letters, digits, '-', '_', '.'; neither starting nor
+# ending with '-' or '.'; no '--' or '..'; at most 96 characters for the whole id.
+_HF_NAME = re.compile(r"^[A-Za-z0-9_](?:[\w.-]*[A-Za-z0-9_])?$")
+# A branch, tag or commit: git's ref rules, as far as a path component in the cache goes.
+_HF_REV = re.compile(r"^[\w.-]+(?:/[\w.-]+)*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +104,14 @@ def check_checkpoint(local_dir: Path) -> None:
     if index.is_file():
         try:
             wanted = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, KeyError, AttributeError, json.JSONDecodeError) as e:
+            # Shards are plain file names beside the index; anything else is not an HF index.
+            if not all(isinstance(w, str) and w and "/" not in w and w not in (".", "..")
+                       for w in wanted):
+                raise ValueError("weight_map names something other than a file beside it")
+        except (OSError, KeyError, AttributeError, TypeError, ValueError) as e:
             raise BuildError(
-                f"{index} is not a valid safetensors index ({e})", "re-download the checkpoint"
+                f"{index} is not a valid safetensors index ({e.__class__.__name__}: {e})",
+                "re-download the checkpoint",
             ) from e
         missing = sorted(w for w in wanted if not (local_dir / w).is_file())
         if missing:
@@ -159,17 +169,38 @@ def checkpoint_digest(local_dir: Path, progress: Progress | None = None) -> str:
     return h.hexdigest()
 
 
-def _resolve_hf(uri: str) -> ResolvedSource:
+def parse_hf_uri(uri: str) -> tuple[str, str]:
+    """hf://org/name[@revision] -> (repo id, revision; "main" when none is given)."""
+    usage = "write it as hf://org/name or hf://org/name@revision"
     m = _HF_URI.match(uri)
     if not m:
+        raise BuildError(f"cannot parse {uri!r}", usage)
+    repo, rev = m["repo"], m["rev"]
+    bad_part = next(
+        (part for part in repo.split("/") if not _HF_NAME.match(part) or "--" in part or ".." in part),
+        None,
+    )
+    if bad_part is not None or len(repo) > 96:
         raise BuildError(
-            f"cannot parse {uri!r}", "write it as hf://org/name or hf://org/name@revision"
+            f"cannot parse {uri!r}: {repo!r} is not a Hugging Face repo id",
+            "org and name use letters, digits, '-', '_' and '.', and neither starts nor ends "
+            "with '-' or '.'; " + usage,
         )
-    repo, rev = m["repo"], m["rev"] or "main"
-    from huggingface_hub import snapshot_download
+    if rev is not None and (not _HF_REV.match(rev) or ".." in rev or rev.endswith(".lock")):
+        raise BuildError(
+            f"cannot parse {uri!r}: {rev!r} is not a branch, tag or commit",
+            "give an existing branch, tag or commit after '@'",
+        )
+    return repo, rev or "main"
+
+
+def _resolve_hf(uri: str) -> ResolvedSource:
+    repo, rev = parse_hf_uri(uri)
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -198,13 +229,34 @@ def _resolve_hf(uri: str) -> ResolvedSource:
             f"cannot access Hugging Face repo {repo} ({e.__class__.__name__})",
             "check the name, and log in with `hf auth login` if it is gated or private",
         ) from e
-    except LocalEntryNotFoundError as e:
+    except HFValidationError as e:  # the Hub's own check, should ours ever fall behind it
         raise BuildError(
-            f"{repo}@{rev} is not in the local Hugging Face cache and downloads are disabled",
-            "download it once with HF_HUB_OFFLINE unset, or set HF_HUB_CACHE to a cache holding it",
+            f"cannot parse {uri!r} ({e})", "write it as hf://org/name or hf://org/name@revision"
+        ) from e
+    except LocalEntryNotFoundError as e:
+        where = cache or constants.HF_HUB_CACHE
+        if offline:
+            raise BuildError(
+                f"{repo}@{rev} is not in the local Hugging Face cache ({where}) and "
+                "HF_HUB_OFFLINE forbids downloading it",
+                "download it once with HF_HUB_OFFLINE unset, or set HF_HUB_CACHE to a cache "
+                "holding it",
+                exit_code=EXIT_FAILURE,
+            ) from e
+        # Online, the hub raises this when it cannot reach the endpoint and has no cached copy.
+        raise BuildError(
+            f"cannot reach {constants.ENDPOINT} to download {repo}@{rev}, and it is not in the "
+            f"local Hugging Face cache ({where})",
+            "check the network (or HF_ENDPOINT) and retry, or set HF_HUB_CACHE to a cache "
+            "holding it",
+            exit_code=EXIT_FAILURE,
         ) from e
     except (HfHubHTTPError, OSError) as e:
-        raise BuildError(f"cannot download {repo}@{rev}: {e}", "check the network and retry") from e
+        raise BuildError(
+            f"cannot download {repo}@{rev}: {e}",
+            "check the network and retry",
+            exit_code=EXIT_FAILURE,
+        ) from e
     # A snapshot folder is named by its commit sha: that is the immutable revision.
     commit = path.name
     check_checkpoint(path)
