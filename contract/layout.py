@@ -23,6 +23,10 @@ TOKENIZER_FILES = (
 )
 
 
+# Our compiled CPU kernels (aoti engines on CPU), loaded before any rank's package.
+KERNELS_LIB = "kernels.so"
+
+
 def rank_shard(rank: int) -> str:
     """A rank's weights (aoti, eager)."""
     return f"rank{rank}.safetensors"

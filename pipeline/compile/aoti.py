@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.export import Dim
 
-from contract.layout import rank_package
+from contract.layout import KERNELS_LIB, rank_package
 from contract.profile import BuildProfile
 from contract.target import Target
+from pipeline.compile.kernels import build_kernels
 from pipeline.progress import Progress
+from runtime import kernels
 from runtime.models.config import ModelConfig
 from runtime.models.factory import build_model, kv_cache_shape, torch_dtype
 from runtime.models.parallel import TPContext
@@ -96,12 +98,17 @@ def compile_engine(
     engine_dir: Path, cfg: ModelConfig, tp: int, dtype: str, profile: BuildProfile,
     target: Target, progress: Progress | None = None,
 ) -> list[Path]:
-    """Write engine_dir/rank{N}.pt2 for every rank; returns their paths."""
+    """Write engine_dir/rank{N}.pt2 for every rank (and kernels.so on a CPU target)."""
     progress = progress or Progress.silent()
     device = "cuda" if target.device == "cuda" else "cpu"
     td = torch_dtype(dtype)
+    use_kernels = device == "cpu"
+    if use_kernels:  # our kernels, compiled for the target ISA, go into the engine
+        lib = build_kernels(target, progress)
+        shutil.copyfile(lib, engine_dir / KERNELS_LIB)
+        kernels.load(engine_dir / KERNELS_LIB)
     with _trace_group(tp):
-        model = build_model(cfg, TPContext(0, tp), td, device)
+        model = build_model(cfg, TPContext(0, tp), td, device, use_kernels)
         args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
         kv = torch.zeros(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), dtype=td, device=device)
         k_caches = [kv[i, 0] for i in range(cfg.num_hidden_layers)]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from contract.layout import ENGINE_CONFIG, rank_package, rank_shard
+from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_shard
+from runtime import kernels
 from runtime.checkpoint import load_engine_model_config, open_weights, read_model_config
 from runtime.engine_files import EngineFiles
 from runtime.loader import load_shard
@@ -29,6 +30,8 @@ def make_step_fn(
         return model
     if backend == "aoti":
         assert engine_dir is not None
+        if (engine_dir / KERNELS_LIB).is_file():  # the ops the package calls, first
+            kernels.load(engine_dir / KERNELS_LIB)
         return load_step_fn(engine_dir / rank_package(tp.rank), weights, device)
     raise ValueError(f"backend {backend!r} has no torch step function")
 
@@ -72,6 +75,7 @@ def runner_from_engine(
         files.check(rank_shard(tp.rank), shard.sha256)
         if backend == "aoti":
             src = files.get(rank_package(tp.rank)).parent
+            files.get_listed((KERNELS_LIB,))
     step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
     runner = ModelRunner(step_fn, kv, block_size)

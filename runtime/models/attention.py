@@ -63,24 +63,45 @@ def _softmax_av(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> to
     return probs @ v
 
 
+def decode_attention(
+    qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, qd [Bd, Hq, D] -> [Bd, Hq * D], in tensor operations: the
+    numerical reference (eager engines) for the fused kernel aoti engines call."""
+    bd, hq, d = qd.shape
+    hk = k_cache.shape[2]
+    q4 = qd.view(bd, hk, hq // hk, d)  # [Bd, Hk, g, D] against [Bd, Hk, C, D] keys
+    kd = _gather_blocks(k_cache, block_tables)
+    vd = _gather_blocks(v_cache, block_tables)
+    sd = (q4 @ kd.transpose(-1, -2)) * scale  # [Bd, Hk, g, C]
+    cd = torch.arange(kd.shape[2], device=qd.device)
+    maskd = (cd.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(bd, 1, 1, -1)
+    return _softmax_av(sd, maskd, vd).reshape(bd, hq * d)
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, use_kernels: bool = False,
 ) -> torch.Tensor:
-    """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D]."""
+    """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D].
+
+    `use_kernels`: the decode group runs the fused kernel (runtime/kernels), which reads
+    K/V in place with an online softmax, instead of the tensor operations.
+    """
     _, hq, d = q.shape
     hk = k_cache.shape[2]
     g = hq // hk
 
-    # Decode group: [Bd, Hk, g, D] queries against [Bd, Hk, C, D] keys.
-    bd = meta.dec_q_index.shape[0]
-    qd = q[meta.dec_q_index].view(bd, hk, g, d)
-    kd = _gather_blocks(k_cache, meta.dec_block_tables)
-    vd = _gather_blocks(v_cache, meta.dec_block_tables)
-    sd = (qd @ kd.transpose(-1, -2)) * scale  # [Bd, Hk, g, C]
-    cd = torch.arange(kd.shape[2], device=q.device)
-    maskd = (cd.unsqueeze(0) < meta.dec_ctx_lens.unsqueeze(1)).view(bd, 1, 1, -1)
-    od = _softmax_av(sd, maskd, vd).reshape(bd, hq * d)  # [Bd, Hq * D]
+    qd = q[meta.dec_q_index]  # [Bd, Hq, D]
+    bd = qd.shape[0]
+    if use_kernels:
+        od = torch.ops.aotllm.paged_decode_attention(
+            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale
+        ).reshape(bd, hq * d)
+    else:
+        od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
+                              scale)
 
     # Prefill group: queries [Bp, Q] -> [Bp, Hk, g * Q, D]; causal by absolute position.
     bp, nq = meta.pf_q_index.shape

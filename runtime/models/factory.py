@@ -22,10 +22,11 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
-def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str = "cpu",
+                use_kernels: bool = False) -> LlamaForCausalLM:
     """A model whose parameters are uninitialised (bind weights with `bind_weights`)."""
     with torch.device(device):
-        return LlamaForCausalLM(cfg, tp, dtype).eval()
+        return LlamaForCausalLM(cfg, tp, dtype, use_kernels).eval()
 
 
 def bind_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:

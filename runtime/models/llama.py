@@ -7,6 +7,8 @@ eagerly. The KV cache is an argument that `forward` writes in place.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -32,8 +34,10 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 use_kernels: bool = False) -> None:
         super().__init__()
+        self.use_kernels = use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
         self.d = cfg.head_dim
         self.scale = self.d**-0.5
@@ -51,7 +55,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k = apply_rope(q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), positions, inv_freq)
         write_kv(k_cache, v_cache, k, v.view(t, self.hk, self.d), block_index, block_offset)
-        return self.o_proj(paged_attention(q, k_cache, v_cache, positions, meta, self.scale))
+        return self.o_proj(paged_attention(q, k_cache, v_cache, positions, meta, self.scale,
+                                           self.use_kernels))
 
 
 class MLP(nn.Module):
@@ -66,21 +71,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 use_kernels: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype)
+        self.self_attn = Attention(cfg, tp, dtype, use_kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    """`use_kernels`: attention calls our fused CPU kernels (aoti engines compiled for a
+    CPU; the library must be loaded, runtime/kernels); else tensor operations only."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 use_kernels: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        tp = dataclasses.replace(tp, use_kernels=use_kernels)
         vocab_local = cfg.vocab_size // tp.size
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, use_kernels)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be
         # split differently); it keeps every parameter a plain, independently bound tensor.

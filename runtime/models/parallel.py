@@ -4,6 +4,10 @@ Collectives are torch functional collectives addressed by process-group *name*, 
 `torch.export` traces them as `_c10d_functional` ops and AOTInductor compiles them into
 the rank's package. The name baked in at build time is the default group's ("0"), which
 is what `torch.distributed.init_process_group` gives the world group at serve time.
+
+With `use_kernels` (aoti engines on CPU) they are our `aotllm::all_reduce/all_gather`
+instead (runtime/kernels/shm_comm.cpp): shared memory between the ranks of one host, the
+same functional collectives otherwise, chosen when the engine is loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group_name: str = WORLD_GROUP_NAME
+    use_kernels: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -29,12 +34,17 @@ class TPContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.use_kernels:
+            return torch.ops.aotllm.all_reduce(x, self.group_name, self.size)
         return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group_name))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] on each rank -> [n, size * d], rank-major along the last dim."""
         if self.size == 1:
             return x
-        g = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, self.group_name))  # [size * n, d]
+        if self.use_kernels:
+            g = torch.ops.aotllm.all_gather(x, self.group_name, self.size)  # [size * n, d]
+        else:
+            g = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, self.group_name))
         n, d = x.shape
         return g.view(self.size, n, d).permute(1, 0, 2).reshape(n, self.size * d)

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from contract.layout import ENGINE_CONFIG, rank_package, rank_shard
+from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_shard
+from runtime import kernels
 from runtime.checkpoint import load_engine_model_config
 from runtime.engine import LLMEngine, worker_loop
 from runtime.executors.torch import allocate_kv_cache, make_step_fn
@@ -20,7 +21,7 @@ from runtime.host import host_matches
 from runtime.loader import LoadedShard, load_shard
 from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
-from runtime.models.parallel import TPContext
+from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.plan import StepPlan
 from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
@@ -124,13 +125,23 @@ class TorchBackend(Backend):
 
     def small_files(self) -> tuple[str, ...]:
         if self.manifest.backend == "aoti":  # native code: loaded from the verified copy
-            return (rank_package(self.rank),)
+            listed = (KERNELS_LIB,) if self.files.listed(KERNELS_LIB) else ()
+            return (rank_package(self.rank), *listed)
         return ()
 
     def init_collectives(self) -> str:
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.comm.init_process_group(backend)
-        return backend
+        if self.comm.size == 1 or not self.files.listed(KERNELS_LIB):
+            return backend
+        # The engine's compiled collectives (aotllm::*) take shared memory when every rank
+        # is on this host; otherwise they go through the process group just made.
+        kernels.load(self.files.get(KERNELS_LIB))
+        m, cfg = self.manifest, self.model
+        p = m.profile
+        rows = max(p.max_num_tokens * cfg.hidden_size,
+                   p.max_batch_size * (cfg.vocab_size // m.tp))
+        return kernels.attach_shared_memory(self.comm, WORLD_GROUP_NAME, rows * 4)
 
     # ---- 7 allocate, 8 kernels, 9 warmup ------------------------------------------------
 

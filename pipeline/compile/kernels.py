@@ -1,0 +1,79 @@
+"""Compile runtime/kernels/*.cpp for the engine's target ISA into one shared library.
+
+The result is cached by a digest of the sources, the flags, torch's version and the
+compiler's (`$AOT_LLM_CACHE/kernels/<digest>/`): engines built on the same host share it,
+and a second build compiles nothing. The engine carries its own copy (`kernels.so`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from contract.errors import EXIT_FAILURE, BuildError
+from contract.target import Target
+from pipeline.progress import Progress
+from pipeline.resolve import cache_root
+from runtime.kernels import SOURCES
+
+# The ISA levels of contract/target.py as compiler flags (x86-64 micro-architecture levels).
+_ISA_FLAGS = {
+    "baseline": ["-march=x86-64"],
+    "avx2": ["-march=x86-64-v3"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+}
+LIB_NAME = "libaotllm_kernels.so"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise BuildError("no C++ compiler found (g++ or $CXX)",
+                         "install g++ (apt-get install g++), or build with --backend eager")
+    return cxx
+
+
+def compile_flags(target: Target) -> list[str]:
+    isa = _ISA_FLAGS.get(target.isa or "baseline", []) if target.arch in ("x86_64", "AMD64") else []
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ["-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp", *isa,
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in cpp_extension.include_paths())]
+
+
+def build_kernels(target: Target, progress: Progress | None = None) -> Path:
+    """The kernels library for `target` (compiled, or taken from the cache)."""
+    cxx = _compiler()
+    flags = compile_flags(target)
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256("\0".join([torch.__version__, version, *flags]).encode())
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    out_dir = cache_root() / "kernels" / h.hexdigest()[:16]
+    lib = out_dir / LIB_NAME
+    if lib.is_file():
+        return lib
+    progress = progress or Progress.silent()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{LIB_NAME}.{os.getpid()}"
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    cmd = [cxx, *flags, *map(str, SOURCES), "-o", str(tmp), *libs, "-lc10", "-ltorch_cpu",
+           "-ltorch"]
+    with progress.stage("compile kernels"):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = " ".join(proc.stderr.strip().split())[-1500:]
+        raise BuildError(f"compiling the engine's kernels failed: {tail}",
+                         "check the C++ compiler, or build with --backend eager",
+                         exit_code=EXIT_FAILURE)
+    os.replace(tmp, lib)  # atomic: a concurrent build sees the whole library or none
+    return lib

@@ -1,0 +1,76 @@
+"""Our own CPU kernels (C++ sources beside this file), as torch custom ops `aotllm::*`.
+
+The build compiles them for the engine's target ISA into the engine's `kernels.so`
+(pipeline/compile/kernels.py); the exported program calls them by name, and AOTInductor's
+package reaches them through the dispatcher, so the library must be loaded (`load`) before
+the package is. Each op has a fake (meta) implementation here for torch.export to trace.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.comm import Comm
+
+SOURCES = tuple(sorted(Path(__file__).resolve().parent.glob("*.cpp")))
+_loaded: set[Path] = set()
+
+
+def available() -> bool:
+    return hasattr(torch.ops.aotllm, "paged_decode_attention")
+
+
+def load(path: Path) -> None:
+    """Load a compiled kernels library once per process (idempotent)."""
+    path = Path(path).resolve()
+    if path in _loaded:
+        return
+    if not available():  # a second copy (another engine's) would register the ops twice
+        torch.ops.load_library(str(path))
+        _register_fakes()
+    _loaded.add(path)
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("aotllm::paged_decode_attention")
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("aotllm::all_reduce")
+    def _all_reduce(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("aotllm::all_gather")
+    def _all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+        return x.new_empty((size * x.shape[0], *x.shape[1:]))
+
+
+def attach_shared_memory(comm: Comm, group: str, slot_bytes: int) -> str:
+    """Give `group` a shared-memory transport when every rank is on this host.
+
+    Collective over the control plane (every rank calls it). Rank 0 creates the segment,
+    the others attach, and rank 0 unlinks its name once all have: nothing outlives the
+    job, even a crash. Returns what the collectives now use (connect gate evidence).
+    """
+    hosts = comm.allgather(socket.gethostname())
+    if len(set(hosts)) > 1:
+        return "gloo (ranks on several hosts)"
+    name = f"/aotllm-{os.getpid()}-{secrets.token_hex(4)}" if comm.rank == 0 else ""
+    name = comm.allgather(name)[0]
+    if comm.rank == 0:
+        torch.ops.aotllm.shm_init(group, name, 0, comm.size, slot_bytes, True)
+    comm.allgather("created")
+    if comm.rank != 0:
+        torch.ops.aotllm.shm_init(group, name, comm.rank, comm.size, slot_bytes, False)
+    comm.allgather("attached")
+    if comm.rank == 0:
+        torch.ops.aotllm.shm_unlink(name)
+    return f"shared memory ({2 * comm.size} slots of {slot_bytes} bytes)"

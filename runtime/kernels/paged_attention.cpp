@@ -1,0 +1,144 @@
+// Decode attention over a paged KV cache, one kernel (flash-decoding style).
+//
+// Each (sequence, KV head) reads its keys and values in place through the block table,
+// block by block, with an online softmax in float32; the query heads that share the KV
+// head (GQA) are processed together, so each key and value row is read once. Nothing is
+// gathered or copied, and no [context]-sized intermediate is materialized: the tensor
+// version (runtime/models/attention.py) gathers whole blocks, masks, and runs a softmax
+// over every slot, which costs more than the model's GEMMs at small batch.
+//
+// q            [B, Hq, D]             the decode queries (one per sequence)
+// k_cache      [NB, bs, Hk, D]        v_cache likewise; slot = block * bs + offset
+// block_tables [B, M] int64           padded with any valid block id
+// ctx_lens     [B] int64              keys visible to each query (>= 1)
+// returns      [B, Hq, D]             same dtype as q
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 16;  // query heads per KV head handled in one pass
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                   at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
+  const int64_t g = Hq / Hk;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t k_block = k_cache.stride(0), k_slot = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_block = v_cache.stride(0), v_slot = v_cache.stride(1), v_head = v_cache.stride(2);
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    // Per work item: the group's queries (scaled), accumulators, one block's scores, and
+    // one key or value row converted to float once for all the group's queries.
+    std::vector<float> qf(g * D), acc(g * D), probs(g * bs), row(D);
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / Hk, h = work % Hk;
+      const int64_t ctx = std::min<int64_t>(cl[b], M * bs);
+      for (int64_t i = 0; i < g; ++i) {
+        const scalar_t* src = qp + (b * Hq + h * g + i) * D;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_f(src[d]) * sc;
+        m[i] = -std::numeric_limits<float>::infinity();
+        l[i] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j * bs < ctx; ++j) {
+        const int64_t blk = bt[b * M + j];
+        const int64_t n = std::min<int64_t>(bs, ctx - j * bs);
+        const scalar_t* kb = kp + blk * k_block + h * k_head;
+        const scalar_t* vb = vp + blk * v_block + h * v_head;
+        for (int64_t t = 0; t < n; ++t) {  // scores of this block
+          const scalar_t* kr = kb + t * k_slot;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
+          for (int64_t i = 0; i < g; ++i) {
+            const float* qi = &qf[i * D];
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qi[d] * row[d];
+            probs[i * bs + t] = s;
+          }
+        }
+        for (int64_t i = 0; i < g; ++i) {  // online softmax: rescale once per block
+          float* pi = &probs[i * bs];
+          const float m_new = std::max(m[i], *std::max_element(pi, pi + n));
+          const float corr = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
+          float lsum = l[i] * corr;
+          for (int64_t t = 0; t < n; ++t) {
+            pi[t] = std::exp(pi[t] - m_new);
+            lsum += pi[t];
+          }
+          float* ai = &acc[i * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
+          m[i] = m_new;
+          l[i] = lsum;
+        }
+        for (int64_t t = 0; t < n; ++t) {  // weighted values
+          const scalar_t* vr = vb + t * v_slot;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) row[d] = to_f(vr[d]);
+          for (int64_t i = 0; i < g; ++i) {
+            const float p = probs[i * bs + t];
+            float* ai = &acc[i * D];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t i = 0; i < g; ++i) {
+        scalar_t* dst = op + (b * Hq + h * g + i) * D;
+        const float inv = 1.f / l[i];
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[i * D + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& ctx_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_decode_attention: q [B, Hq, D], caches [NB, bs, Hk, D]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: head_dim or GQA grouping does not match");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "paged_decode_attention: group too large");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "caches: head_dim contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and caches must share a dtype");
+  auto qc = q.contiguous();
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto cl = ctx_lens.to(at::kLong).contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aotllm, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor ctx_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,93 @@
+"""Our compiled kernels (runtime/kernels/*.cpp) against their references, for real:
+the library is compiled for this host as a build would, and the collectives run between
+real processes over real shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.compile.kernels import build_kernels
+from runtime import kernels
+from runtime.host import host_cpu_target
+from runtime.models.attention import decode_attention
+from tests.conftest import REPO, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def lib() -> Path:
+    path = build_kernels(host_cpu_target())
+    kernels.load(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32)])
+def test_decode_attention_kernel_matches_the_tensor_reference(
+        lib: Path, dtype: torch.dtype, hq: int, hk: int, d: int) -> None:
+    torch.manual_seed(hq + d)
+    nb, bs, b, m = 40, 16, 6, 5
+    kc, vc = (torch.randn(nb, bs, hk, d).to(dtype) for _ in range(2))
+    q = torch.randn(b, hq, d).to(dtype)
+    tables = torch.randint(0, nb, (b, m))
+    ctx = torch.tensor([1, 2, 15, 16, 17, m * bs])  # block edges, one key, a full table
+    got = torch.ops.aotllm.paged_decode_attention(q, kc, vc, tables, ctx, d**-0.5)
+    want = decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float().reshape(b, hq * d), want, atol=tol, rtol=tol)
+
+
+def _run_ranks(lib: Path, size: int, mode: str, tmp: Path) -> list[subprocess.CompletedProcess[str]]:
+    name = f"/aotllm-test-{secrets.token_hex(4)}"
+    out = tmp / "out.json"
+    procs = []
+    for rank in range(size):
+        cmd = [sys.executable, "-m", "tests.runtime.shm_worker", str(lib), name, str(rank),
+               str(size), mode, str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        if rank == 0:
+            time.sleep(1.0)  # rank 0 creates the segment the others attach to
+    try:
+        done = [p.communicate(timeout=120) for p in procs]
+    finally:
+        torch.ops.aotllm.shm_unlink(name)
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, done)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_collectives_sum_and_gather_like_the_definition(
+        lib: Path, size: int, tmp_path: Path) -> None:
+    runs = _run_ranks(lib, size, "ok", tmp_path)
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    results = [json.loads((tmp_path / f"out.json.{r}").read_text()) for r in range(size)]
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [(torch.arange(1000, dtype=torch.float32) * (r + 1) / 7).to(dtype).float()
+              for r in range(size)]
+        want = torch.stack(xs).sum(0).to(dtype).float()
+        for res in results:
+            got = res[str(dtype)]
+            for reduced in got["reduced"]:  # every call, every rank: bitwise the same
+                assert reduced == results[0][str(dtype)]["reduced"][0]
+            torch.testing.assert_close(torch.tensor(got["reduced"][0]), want, atol=0, rtol=1e-2)
+            assert got["gathered"] == torch.cat([x.view(10, 100) for x in xs]).tolist()
+    print(f"all_reduce of one 576-wide bf16 row: {results[0]['us_per_all_reduce']:.1f} us")
+
+
+def test_a_dead_peer_is_an_error_not_a_hang(lib: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    runs = _run_ranks(lib, 2, "die", tmp_path)
+    assert runs[1].returncode == 0
+    assert runs[0].returncode != 0 and "is gone" in runs[0].stderr, runs[0].stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    assert not os.path.exists(tmp_path / "out.json.0")
