@@ -25,8 +25,9 @@ log = logging.getLogger("serve")
 
 class Rank0:
     def __init__(self, cfg: LaunchConfig, comm: Comm, life: Lifecycle, state: ServerState,
-                 http: HttpServerHandle) -> None:
+                 http: HttpServerHandle, threads: dict[str, object] | None = None) -> None:
         self.cfg, self.comm, self.life, self.state, self.http = cfg, comm, life, state, http
+        self.threads = threads or {}
         self.log = GateLog()
         self.st = Startup(cfg, comm, self.log, interrupted=life.drain.is_set)
         self.backend: Backend | None = None
@@ -41,6 +42,7 @@ class Rank0:
             "load": self.st.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
             "world_size": self.comm.size,
+            "threads": self.threads,
             "phase": self.state.readiness.phase,
             "pid": os.getpid(),
         }

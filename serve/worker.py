@@ -73,13 +73,25 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
         logging.getLogger().addHandler(handler)
 
 
-def _torch_threads(comm: Comm) -> None:
-    # Ranks of one host share its cores; oversubscribing them slows every collective.
+# Python's default 5 ms: a thread that wants the GIL may wait that long. Rank 0's HTTP
+# thread and engine thread hand the GIL back and forth at every token; a short interval
+# keeps either from stalling the other (the step itself runs without the GIL).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def thread_plan(comm: Comm) -> dict[str, object]:
+    """Set and return the rank's threads: the host's cores split evenly between its ranks
+    (oversubscribing them slows every collective and every OpenMP barrier)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(1, comm.local_size)))
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    return {"cores": cores, "ranks_on_host": comm.local_size,
+            "intra_op_threads": torch.get_num_threads(),
+            "gil_switch_interval_s": sys.getswitchinterval()}
 
 
-def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
+def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle, threads: dict[str, object]
+                ) -> int:
     from serve.api import HttpBindError, ServerState, start_http_server
     from serve.rank0 import Rank0
 
@@ -93,7 +105,7 @@ def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
         print(f"error: {e} — choose another --port or stop the other server", file=sys.stderr)
         return 2
     log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)", cfg.host, http.port)
-    return Rank0(cfg, comm, life, state, http).run()
+    return Rank0(cfg, comm, life, state, http, threads).run()
 
 
 def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
@@ -130,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     try:
         comm = Comm(boot, listener)
-        _torch_threads(comm)
-        rc = serve_rank0(cfg, comm, life) if rank == 0 else serve_follower(cfg, comm, life)
+        threads = thread_plan(comm)
+        rc = (serve_rank0(cfg, comm, life, threads) if rank == 0
+              else serve_follower(cfg, comm, life))
     except (ConnectionError, OSError) as e:
         print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
     finally:

@@ -83,8 +83,31 @@ def runner_from_engine(
     return runner, cfg
 
 
-def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cpu"):
+class PackageStep:
+    """A rank's compiled package with its weights bound, run through our `aotllm` ops:
+    torch's own Python binding of the package holds the GIL for the whole step, and rank
+    0's HTTP thread could then do nothing while the model computes."""
+
+    def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: str) -> None:
+        ops = torch.ops.aotllm
+        self.handle = ops.package_load(str(path), 0 if device.startswith("cuda") else -1)
+        names = ops.package_constant_fqns(self.handle)
+        missing = set(names) - set(weights)
+        if missing:
+            raise ValueError(f"{path.name}: the shard lacks constants {sorted(missing)[:5]}")
+        self.weights = [weights[n] for n in names]  # user managed: kept alive here
+        ops.package_load_constants(self.handle, names, self.weights)
+
+    def __call__(self, *args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        # The package's inputs, flattened as its call spec does: tensors, then each list.
+        flat = [t for a in args for t in (a if isinstance(a, list) else (a,))]
+        return torch.ops.aotllm.package_run(self.handle, flat)[0]
+
+
+def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cpu") -> StepFn:
     """Load a compiled package and bind a rank's weights (kept by the caller: user managed)."""
+    if kernels.available():
+        return PackageStep(path, weights, device)
     pkg = torch._inductor.aoti_load_package(str(path), device_index=0 if device == "cuda" else -1)
     names = set(pkg.get_constant_fqns())
     missing = names - set(weights)

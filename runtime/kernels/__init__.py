@@ -44,6 +44,10 @@ def _register_fakes() -> None:
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q)
 
+    @torch.library.register_fake("aotllm::linear")
+    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
     @torch.library.register_fake("aotllm::all_reduce")
     def _all_reduce(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
         return torch.empty_like(x)

@@ -17,16 +17,27 @@ def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext
+           ) -> torch.Tensor:
+    """x W^T + b: our weight-streaming kernel for the few rows of a decode step when the
+    engine has our kernels (it passes larger batches to at::linear itself)."""
+    if tp.use_kernels:
+        return torch.ops.aotllm.linear(x, w, b)
+    return F.linear(x, w, b)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _empty(out_local, in_features, dtype=dtype)
         self.bias = _empty(out_local, dtype=dtype) if bias else None
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.tp)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -34,9 +45,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, hidden: int, head_dim: int, q_heads_local: int, kv_heads_local: int, bias: bool,
-        dtype: torch.dtype,
+        tp: TPContext, dtype: torch.dtype,
     ) -> None:
-        super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, dtype)
+        super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, tp, dtype)
         self.q_size = q_heads_local * head_dim
         self.kv_size = kv_heads_local * head_dim
 
@@ -57,7 +68,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.tp))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -91,7 +102,7 @@ class ParallelLMHead(nn.Module):
         self.tp = tp
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab]
-        return self.tp.all_gather_last_dim(F.linear(h, self.weight))
+        return self.tp.all_gather_last_dim(linear(h, self.weight, None, self.tp))
 
 
 class RMSNorm(nn.Module):

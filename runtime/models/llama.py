@@ -34,15 +34,14 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 use_kernels: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
-        self.use_kernels = use_kernels
+        self.use_kernels = tp.use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
         self.d = cfg.head_dim
         self.scale = self.d**-0.5
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, dtype
+            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype
         )
         self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype)
 
@@ -63,7 +62,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
         inter_local = cfg.intermediate_size // tp.size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, tp,
+                                                       dtype)
         self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +71,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 use_kernels: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype, use_kernels)
+        self.self_attn = Attention(cfg, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
@@ -91,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         tp = dataclasses.replace(tp, use_kernels=use_kernels)
         vocab_local = cfg.vocab_size // tp.size
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, use_kernels)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be

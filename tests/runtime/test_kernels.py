@@ -46,6 +46,21 @@ def test_decode_attention_kernel_matches_the_tensor_reference(
     torch.testing.assert_close(got.float().reshape(b, hq * d), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (70, 100, True), (33, 1536, True)])
+def test_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: int, n: int, k: int,
+                                        bias: bool) -> None:
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = torch.ops.aotllm.linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def _run_ranks(lib: Path, size: int, mode: str, tmp: Path) -> list[subprocess.CompletedProcess[str]]:
     name = f"/aotllm-test-{secrets.token_hex(4)}"
     out = tmp / "out.json"

@@ -1,0 +1,114 @@
+// y = x W^T (+ b) for the few rows a decode step has: weight-streaming GEMV.
+//
+// At decode a linear layer is bound by reading its weights once; a GEMM library tuned for
+// large M reads them at well under the memory bandwidth here. Each thread streams a band
+// of W's rows and computes every input row's dot product with each weight row while it is
+// in cache, in float32 (bf16 pairs through AVX512-BF16's dot-product instruction where the
+// target has it). Larger M goes to at::linear (oneDNN, AMX where present).
+//
+// x [M, K], w [N, K] (row-major, contiguous), b [N] or none -> [M, N]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // M above this: at::linear
+
+template <typename scalar_t>
+void gemv_generic(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* y,
+                  int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+    for (int64_t n = begin; n < end; ++n) {
+      const scalar_t* wr = w + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = &xf[m * K];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(wr[k]);
+        if (b != nullptr) acc += static_cast<float>(b[n]);
+        y[m * N + n] = static_cast<scalar_t>(acc);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// bf16 x bf16 -> fp32 with vdpbf16ps: 32 products per instruction; K % 32 tails masked.
+void gemv_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
+               at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    const int64_t full = K / 32 * 32;
+    const __mmask32 tail = static_cast<__mmask32>((1ull << (K - full)) - 1);
+    for (int64_t n = begin; n < end; ++n) {
+      const auto* wr = reinterpret_cast<const uint16_t*>(w + n * K);
+      __m512 acc[kMaxRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < full; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+        for (int64_t m = 0; m < M; ++m) {
+          const auto* xr = reinterpret_cast<const uint16_t*>(x + m * K);
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(xr + k), wv);
+        }
+      }
+      if (full < K) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + full);
+        for (int64_t m = 0; m < M; ++m) {
+          const auto* xr = reinterpret_cast<const uint16_t*>(x + m * K);
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(tail, xr + full),
+                                    wv);
+        }
+      }
+      const float bias = b != nullptr ? static_cast<float>(b[n]) : 0.f;
+      for (int64_t m = 0; m < M; ++m) {
+        y[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]) + bias);
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  const int64_t M = x.numel() / std::max<int64_t>(K, 1);
+  const bool small = x.dim() == 2 && M <= kMaxRows && w.is_contiguous() &&
+                     w.scalar_type() == x.scalar_type() &&
+                     (!b.has_value() || b->scalar_type() == x.scalar_type());
+  if (!small || !(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat)) {
+    return at::linear(x, w, b);
+  }
+  auto xc = x.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const at::Tensor bc = b.has_value() ? b->contiguous() : at::Tensor();
+  const void* bp = bc.defined() ? bc.data_ptr() : nullptr;
+  if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    gemv_bf16(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+              static_cast<const at::BFloat16*>(bp), out.data_ptr<at::BFloat16>(), M, N, K);
+#else
+    gemv_generic<at::BFloat16>(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                               static_cast<const at::BFloat16*>(bp),
+                               out.data_ptr<at::BFloat16>(), M, N, K);
+#endif
+  } else {
+    gemv_generic<float>(xc.data_ptr<float>(), w.data_ptr<float>(),
+                        static_cast<const float*>(bp), out.data_ptr<float>(), M, N, K);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aotllm, m) { m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear", &linear); }
