@@ -4,6 +4,10 @@ Rank 0's engine loop runs on the main thread: it takes requests from a thread-sa
 schedules a step, sends the plan to the other ranks, runs its own shard, samples, and
 hands each request's new tokens to its callback. The HTTP thread only enqueues and
 cancels; it never waits for model compute.
+
+A request is a group of sequences: one, or n/best_of that fork from the first when it
+samples its first token (runtime/scheduler.py); every sequence keeps its own sampling
+state (runtime/logits.py: random stream, penalty counts, grammar position).
 """
 
 from __future__ import annotations
@@ -11,23 +15,51 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from runtime.comm import Comm
+from runtime.grammar import GrammarState
+from runtime.logits import SeqSampling
 from runtime.plan import StepPlan
 from runtime.runner import ModelRunner
 from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
-from runtime.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
+from runtime.types import (
+    EventCallback,
+    ExecutorStats,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    UnsupportedParameter,
+)
 
 
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
+@dataclass(slots=True, eq=False)
+class _Group:
+    """One request: its sequences (by index), callback and prompt log-probabilities."""
+
+    request_id: str
     on_event: EventCallback
-    generator: object
+    params: SamplingParams
+    prompt: list[int]
+    seq_ids: list[int] = field(default_factory=list)  # index -> seq id
+    live: int = 1  # sequences not finished (siblings join when they fork)
+    # prompt log-probabilities by position (None at 0), sent with the first token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_sent: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    group: _Group
+    index: int
+    sampling: SeqSampling
     emitted: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet emitted
 
 
 class LLMEngine:
@@ -40,8 +72,8 @@ class LLMEngine:
         self.comm = comm
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._requests: dict[int, _Request] = {}
-        self._by_id: dict[str, int] = {}
+        self._seqs: dict[int, _Seq] = {}  # seq id -> sequence state
+        self._groups: dict[str, _Group] = {}  # request id -> request
         self._ids = itertools.count()
         self._unfinished = 0
         self._lock = threading.Lock()
@@ -53,6 +85,13 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         on_event: EventCallback,
     ) -> None:
+        limit = self.scheduler.config.max_batch_size
+        if params.num_sequences > limit:
+            raise UnsupportedParameter("num_sequences", f"{params.num_sequences} sequences per "
+                                       f"request exceed this engine's batch size ({limit})")
+        if params.guided is not None and params.grammar is None:
+            raise UnsupportedParameter("response_format", "the grammar was not compiled "
+                                       "(runtime.grammar.GrammarCompiler) before submission")
         with self._lock:
             self._unfinished += 1
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, on_event)))
@@ -84,30 +123,51 @@ class LLMEngine:
             if kind == "add":
                 self._admit(*payload)  # type: ignore[misc]
             else:
-                sid = self._by_id.get(payload)  # type: ignore[arg-type]
-                if sid is not None and self.scheduler.abort(sid):
-                    self._finish(sid, "cancelled")
+                group = self._groups.get(payload)  # type: ignore[arg-type]
+                if group is not None:
+                    self._end_group(group, "cancelled")
+
+    def _reject(self, request_id: str, prompt: list[int], cb: EventCallback, why: str) -> None:
+        with self._lock:
+            self._unfinished -= 1
+        cb(TokenEvent(request_id, [], "rejected", len(prompt), error=why))
 
     def _admit(self, request_id: str, prompt: list[int], params: SamplingParams, cb: EventCallback) -> None:
+        if request_id in self._groups:
+            self._reject(request_id, prompt, cb, f"request id {request_id} is already running")
+            return
         sid = next(self._ids)
         seq = Sequence(sid, request_id, prompt, params)
         try:
             self.scheduler.add(seq)
         except ValueError as e:
-            with self._lock:
-                self._unfinished -= 1
-            cb(TokenEvent(request_id, [], "rejected", len(prompt), error=str(e)))
+            self._reject(request_id, prompt, cb, str(e))
             return
-        self._requests[sid] = _Request(seq, cb, make_generator(params))
-        self._by_id[request_id] = sid
+        stop = self.scheduler.stop_token_ids(sid)
+        grammar = None
+        if params.grammar is not None:
+            if not stop:
+                self.scheduler.abort(sid)
+                self._reject(request_id, prompt, cb, "a grammar needs a stop token to end "
+                             "the output (ignore_eos is set and there are no stop_token_ids)")
+                return
+            grammar = GrammarState(params.grammar, sorted(stop))
+        group = _Group(request_id, cb, params, prompt, [sid])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt)
+        sampling = SeqSampling(params, make_generator(params), stop, prompt, grammar)
+        self._seqs[sid] = _Seq(group, 0, sampling)
+        self._groups[request_id] = group
 
-    def _finish(self, sid: int, reason: FinishReason, error: str | None = None) -> None:
-        req = self._requests.pop(sid)
-        self._by_id.pop(req.seq.request_id, None)
+    def _end_group(self, group: _Group, reason: FinishReason, error: str | None = None) -> None:
+        """End a whole request now (cancel, engine failure): one final event."""
+        for sid in group.seq_ids:
+            self.scheduler.abort(sid, reason)
+            self._seqs.pop(sid, None)
+        self._groups.pop(group.request_id, None)
         with self._lock:
             self._unfinished -= 1
-        req.on_event(TokenEvent(req.seq.request_id, [], reason, req.seq.num_prompt_tokens,
-                                error=error))
+        group.on_event(TokenEvent(group.request_id, [], reason, len(group.prompt), error=error))
 
     def step(self) -> StepPlan | None:
         """Run one iteration if there is work; returns the plan it ran."""
@@ -121,21 +181,99 @@ class LLMEngine:
             self.comm.send_plan(plan)
         sampled_ids, logits = self.runner.execute(plan)
         sampled: dict[int, int] = {}
+        forks: dict[int, list[tuple[int, int]]] = {}
+        if logits is not None and len(logits) > len(sampled_ids):
+            self._collect_prompt_logprobs(plan, logits[len(sampled_ids):])
         if sampled_ids:
-            rows = [(self._requests[s].seq.params, self._requests[s].generator) for s in sampled_ids]
-            sampled = dict(zip(sampled_ids, self.sampler(logits, rows)))  # type: ignore[arg-type]
-        for seq in self.scheduler.update(plan, sampled):
-            req = self._requests[seq.seq_id]
-            new = seq.output_token_ids[req.emitted :]
-            req.emitted = len(seq.output_token_ids)
-            if seq.finish_reason is not None:
-                self._requests.pop(seq.seq_id)
-                self._by_id.pop(seq.request_id, None)
-                with self._lock:
-                    self._unfinished -= 1
-            req.on_event(TokenEvent(seq.request_id, new, seq.finish_reason, seq.num_prompt_tokens))
+            assert logits is not None
+            sampled, forks = self._sample(sampled_ids, logits)
+        for seq in self.scheduler.update(plan, sampled, forks):
+            self._emit(seq)
         self._refresh_stats()
         return plan
+
+    def _sample(self, sampled_ids: list[int], logits: torch.Tensor
+                ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
+        """Draw every sampled row; a sequence due to fork also draws its siblings' first
+        tokens from its own row, each with its own state and random stream."""
+        rows: list[int] = []
+        seqs: list[_Seq] = []
+        owners: list[int] = []  # seq id (existing) or -1 - parent row (a new sibling)
+        for r, sid in enumerate(sampled_ids):
+            s = self._seqs[sid]
+            rows.append(r)
+            seqs.append(s)
+            owners.append(sid)
+            seq = self.scheduler.get(sid)
+            if seq is not None and seq.fork_pending:
+                group = s.group
+                for k in range(1, group.params.num_sequences):
+                    child = _Seq(group, k, s.sampling.fork(make_generator(group.params, k)))
+                    rows.append(r)
+                    seqs.append(child)
+                    owners.append(-1 - r)
+        picks = self.sampler.sample_seqs(logits[rows], [s.sampling for s in seqs])
+        sampled: dict[int, int] = {}
+        forks: dict[int, list[tuple[int, int]]] = {}
+        for s, owner, (token, lp) in zip(seqs, owners, picks):
+            s.sampling.accept(token, lp.logprob if lp is not None else None)
+            if lp is not None and s.group.params.logprobs is not None:
+                s.logprobs.append(lp)
+            if owner >= 0:
+                sampled[owner] = token
+                continue
+            parent = sampled_ids[-1 - owner]
+            child_id = next(self._ids)
+            self._seqs[child_id] = s
+            s.group.seq_ids.append(child_id)
+            s.group.live += 1
+            forks.setdefault(parent, []).append((child_id, token))
+        return sampled, forks
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """Rows after the sampled ones: each entry's first `prompt_logits` positions, whose
+        logits give the log-probability of the prompt token that follows them."""
+        at = 0
+        for entry in plan.scheduled:
+            k = entry.prompt_logits
+            if not k:
+                continue
+            rows, at = logits[at:at + k], at + k
+            s = self._seqs.get(entry.seq_id)
+            if s is None or s.group.prompt_logprobs is None:
+                continue  # cancelled meanwhile
+            group, start = s.group, entry.num_computed_tokens
+            targets = group.prompt[start + 1:start + 1 + k]
+            lps = self.sampler.prompt_logprobs(rows, targets, group.params.prompt_logprobs or 0)
+            group.prompt_logprobs[start + 1:start + 1 + k] = lps
+
+    def _emit(self, seq: Sequence) -> None:
+        s = self._seqs[seq.seq_id]
+        group = s.group
+        new = seq.output_token_ids[s.emitted:]
+        s.emitted = len(seq.output_token_ids)
+        logprobs = None
+        if group.params.logprobs is not None:
+            logprobs, s.logprobs = s.logprobs[:len(new)], s.logprobs[len(new):]
+        prompt_logprobs = None
+        if s.index == 0 and not group.prompt_sent:
+            group.prompt_sent = True
+            prompt_logprobs = group.prompt_logprobs
+        finish = seq.finish_reason
+        cumulative = None
+        if finish is not None:
+            self._seqs.pop(seq.seq_id)
+            group.live -= 1
+            if group.params.needs_logprobs:
+                cumulative = s.sampling.cumulative_logprob
+            if group.live == 0:
+                self._groups.pop(group.request_id, None)
+                with self._lock:
+                    self._unfinished -= 1
+        group.on_event(TokenEvent(
+            seq.request_id, new, finish, seq.num_prompt_tokens, index=s.index,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=max(0, seq.num_cached_tokens), cumulative_logprob=cumulative))
 
     def _refresh_stats(self) -> None:
         s = self.scheduler.stats()
@@ -146,22 +284,28 @@ class LLMEngine:
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
             extra={"prefix_cache_hits_total": float(s.prefix_cache_hits_total),
-                   "prefix_cache_queries_total": float(s.prefix_cache_queries_total)},
+                   "prefix_cache_queries_total": float(s.prefix_cache_queries_total),
+                   "prompt_tokens_computed_total": float(s.prompt_tokens_computed_total),
+                   "forked_sequences_total": float(s.forked_sequences_total),
+                   "kv_blocks_copied_total": float(s.kv_blocks_copied_total)},
         )
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:
         self._drain_inbox()
-        for sid in list(self._requests):
-            if self.scheduler.abort(sid, reason):
-                self._finish(sid, reason, error)
+        for group in list(self._groups.values()):
+            self._end_group(group, reason, error)
 
     def fail_all(self, why: str) -> None:
         """The engine cannot go on: end every request, queued or running, with an error.
         Called on the engine thread after a failed step; the scheduler's state is not
         trusted any more, so requests are ended directly."""
         self._drain_inbox()
-        for sid in list(self._requests):
-            self._finish(sid, "error", why)
+        for group in list(self._groups.values()):
+            self._groups.pop(group.request_id, None)
+            with self._lock:
+                self._unfinished -= 1
+            group.on_event(TokenEvent(group.request_id, [], "error", len(group.prompt),
+                                      error=why))
 
     def shutdown_workers(self) -> None:
         if self.comm is not None:
@@ -170,18 +314,21 @@ class LLMEngine:
     # ---- a synchronous helper (tests, benchmarks) ------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Submit all prompts at once and step until every one finishes."""
+        """Submit all prompts at once and step until every one finishes (sequence 0's
+        tokens of each)."""
         out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
         done: dict[str, str] = {}
 
         def cb(ev: TokenEvent) -> None:
-            out[ev.request_id].extend(ev.token_ids)
-            if ev.finish_reason is not None:
+            if ev.index == 0:
+                out[ev.request_id].extend(ev.token_ids)
+            if ev.finish_reason is not None and (ev.index == 0 or ev.finish_reason not in
+                                                 ("stop", "length")):
                 done[ev.request_id] = ev.error or ev.finish_reason
 
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self.add_request(str(i), p, sp, cb)
-        while len(done) < len(prompts):
+        while self._unfinished:
             self.step()
         errors = [v for v in done.values() if v not in ("stop", "length")]
         if errors:

@@ -119,7 +119,7 @@ def test_cancel_frees_blocks_at_once_and_spares_others(tiny_models: dict[str, Pa
     for _ in range(5):
         engine.step()
     used_before = engine.scheduler.block_manager.num_used
-    held = len(engine.scheduler.get(engine._by_id["1"]).block_ids)
+    held = len(engine.scheduler.get(engine._groups["1"].seq_ids[0]).block_ids)
     engine.cancel("1")
     engine.step()  # the cancel is applied at the start of the next iteration
     assert reasons["1"] == "cancelled"
@@ -147,6 +147,6 @@ def test_bad_request_gets_an_error_event_and_others_run(tiny_models: dict[str, P
     events: list[TokenEvent] = []
     engine.add_request("big", [1] * 250, SamplingParams(max_tokens=100), events.append)
     (ok,) = engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=3, temperature=0)])
-    assert events[0].finish_reason == "error" and "max_seq_len" in (events[0].error or "")
+    assert events[0].finish_reason == "rejected" and "max_seq_len" in (events[0].error or "")
     assert len(ok) == 3
     assert torch.is_grad_enabled()
