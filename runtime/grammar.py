@@ -65,7 +65,7 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(stop_token_ids)
         self._lock = threading.Lock()
         self._compiler: Any = None
-        self._control: torch.Tensor | None = None  # [V] bool: token has a control byte
+        self._control: torch.Tensor | None = None  # bitmask words: no control byte
         self._cache: OrderedDict[GuidedSpec, Grammar] = OrderedDict()
 
     def _get_compiler(self) -> tuple[Any, torch.Tensor]:
@@ -79,7 +79,7 @@ class GrammarCompiler:
                     stop_token_ids=list(self.stop_token_ids) or None)
                 control = [any(c < 0x20 for c in piece) and i not in self.stop_token_ids
                            for i, piece in enumerate(info.decoded_vocab)]
-                self._control = torch.tensor(control, dtype=torch.bool)
+                self._control = _pack(~torch.tensor(control, dtype=torch.bool))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             assert self._control is not None
             return self._compiler, self._control
@@ -132,12 +132,23 @@ class GrammarCompiler:
         raise GrammarError(f"unknown guided decoding kind {spec.kind!r}")
 
 
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool -> xgrammar's bitmask words [ceil(V / 32)] int32 (bit j of word w: token
+    32 w + j)."""
+    words = -(-allowed.shape[0] // 32)
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[:allowed.shape[0]] = allowed.to(torch.int64)
+    packed = (bits.view(words, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Grammar:
-    """A compiled spec: xgrammar's CompiledGrammar, and the tokens banned besides it."""
+    """A compiled spec: xgrammar's CompiledGrammar, and the tokens allowed besides it (as
+    bitmask words, ANDed into the matcher's; None: no further restriction)."""
 
     compiled: Any
-    banned: torch.Tensor | None = None  # [V] bool
+    allowed: torch.Tensor | None = None  # [ceil(V / 32)] int32
 
 
 class GrammarState:
@@ -175,16 +186,14 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState]
         return
     xgr = _xgr()
     vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [r, ceil(V / 32)] int32
-    for i, (_, state) in enumerate(rows):
-        state.fill(bitmask, i)
-    # Unpacking the bits in torch works on any device and is as fast on CPU as xgrammar's
-    # own kernel (bench/grammar_cost.py): bit j of word w allows token 32 w + j.
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [r, V]
-    for i, (_, state) in enumerate(rows):
-        banned = state.grammar.banned
-        if banned is not None:
-            allowed[i, :banned.shape[0]] &= ~banned[:vocab]
-    idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)  # [m, W] int32, all allowed
+    for row, state in rows:
+        state.fill(bitmask, row)
+        allowed = state.grammar.allowed
+        if allowed is not None:
+            n = min(allowed.shape[0], bitmask.shape[1])
+            bitmask[row, :n] &= allowed[:n]
+    # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPUs) touches the listed rows only;
+    # elementwise torch ops on a [V] row cost more, and far more when threads contend.
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
+                                    indices=[r for r, _ in rows])

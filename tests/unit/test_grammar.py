@@ -119,3 +119,13 @@ def test_siblings_fork_the_grammar_position(tok, compiler) -> None:
     logits = torch.zeros(2, compiler.vocab_size)
     picks = Sampler().sample_seqs(logits, [state, child])
     assert {tok.decode([t]) for t, _ in picks} <= {"b", "c"}
+
+
+def test_packed_words_follow_xgrammars_bit_order() -> None:
+    from runtime.grammar import _pack
+
+    allowed = torch.rand(100, generator=torch.Generator().manual_seed(0)) > 0.5
+    words = _pack(allowed)
+    assert words.dtype == torch.int32 and words.shape == (4,)
+    bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
+    assert torch.equal(bits[:100], allowed) and not bits[100:].any()
