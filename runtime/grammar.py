@@ -132,6 +132,11 @@ class GrammarCompiler:
         raise GrammarError(f"unknown guided decoding kind {spec.kind!r}")
 
 
+def _bit(j: int) -> int:
+    """Bit j of an int32 bitmask word, as the signed value torch stores."""
+    return (1 << j) - (1 << 32) if j == 31 else 1 << j
+
+
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
     """[V] bool -> xgrammar's bitmask words [ceil(V / 32)] int32 (bit j of word w: token
     32 w + j)."""
@@ -166,6 +171,10 @@ class GrammarState:
     def fork(self) -> GrammarState:
         return GrammarState(self.grammar, self._stop, self._m.fork())
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return self._stop
+
     def accept(self, token: int) -> bool:
         """Advance past `token`; False if the grammar did not allow it."""
         if self._m.is_terminated():
@@ -193,6 +202,12 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState]
         if allowed is not None:
             n = min(allowed.shape[0], bitmask.shape[1])
             bitmask[row, :n] &= allowed[:n]
+        if not bool(bitmask[row].any()):
+            # A grammar that allows nothing next (say left recursion: root ::= root "a")
+            # would leave no token to draw: end the output with a stop token instead.
+            for token in state.stop_token_ids:
+                if token < vocab:
+                    bitmask[row, token // 32] |= _bit(token % 32)
     # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPUs) touches the listed rows only;
     # elementwise torch ops on a [V] row cost more, and far more when threads contend.
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,

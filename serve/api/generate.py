@@ -182,7 +182,7 @@ async def _next(run: Run) -> Any:
         executor = run.state.executor
         if executor is not None:
             _cancel(executor, sub.request_id)
-            sub.live = 0
+            sub.live, sub.cancelled = 0, True
     return update
 
 

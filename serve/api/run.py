@@ -32,6 +32,7 @@ class _Sub:
     prompt_text: str
     choices: list[Choice]
     live: int  # sequences the executor has not finished
+    cancelled: bool = False  # we cancelled it (its choices all ended): ignore what follows
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: set[int] = field(default_factory=set)
@@ -77,7 +78,7 @@ class Run:
                 text = given if isinstance(given, str) else state.tokenizer.decode(
                     ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             rid = self.request_id if single else f"{self.request_id}-{p}"
-            self.subs.append(_Sub(rid, ids, text, choices, params.num_sequences))
+            self.subs.append(_Sub(rid, ids, text, choices, live=0))  # live once submitted
 
     @property
     def engine_done(self) -> bool:
@@ -117,6 +118,9 @@ class Run:
         it concerns nothing the client sees). Raises ApiError when the request failed."""
         p, event = await self.queue.get()
         sub = self.subs[p]
+        if sub.cancelled:
+            return sub, None  # the cancelled request's last events (a batch's other prompts
+            # are still running)
         if event.finish_reason in ("cancelled", "rejected", "error"):
             sub.live = 0
             reason = event.error or "unknown error"

@@ -276,6 +276,15 @@ def test_a_batch_of_prompts_with_n(server: Server, reference: Reference) -> None
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     for c in r.choices:
         assert c.text == reference.completion(prompts[c.index // 2], 5).text
+    # A stop string ends one prompt's choices early; the other prompt runs on unharmed.
+    texts = [reference.completion(p, 12, ignore_eos=True).text for p in prompts]
+    stop = texts[0][3:5]
+    if stop and stop not in texts[1]:
+        r = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=12,
+                                               temperature=0, stop=[stop],
+                                               extra_body={"ignore_eos": True})
+        got = {c.index: c.text for c in r.choices}
+        assert got == {0: texts[0][:texts[0].index(stop)], 1: texts[1]}
 
 
 # ---- structured output ---------------------------------------------------------------

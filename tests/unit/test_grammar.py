@@ -129,3 +129,13 @@ def test_packed_words_follow_xgrammars_bit_order() -> None:
     assert words.dtype == torch.int32 and words.shape == (4,)
     bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
     assert torch.equal(bits[:100], allowed) and not bits[100:].any()
+
+
+def test_a_grammar_that_allows_nothing_ends_with_the_stop_token(tok, compiler) -> None:
+    eos = tok.eos_token_id
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20)
+    state = SeqSampling(params, make_generator(params), [eos], [],
+                        GrammarState(compiler.compile(GuidedSpec("grammar", 'root ::= root "a"')),
+                                     [eos]))
+    ((token, _),) = Sampler().sample_seqs(torch.randn(1, compiler.vocab_size), [state])
+    assert token == eos
