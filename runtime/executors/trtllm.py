@@ -196,20 +196,17 @@ class TrtllmExecutor:
         end_id = eos[0] if eos else None
         stop_words = [[t] for t in stops if t != end_id]
         # None leaves TensorRT-LLM's default (no penalty), as the neutral values mean.
-        penalties: dict[str, Any] = {
-            "repetition_penalty": _unless(params.repetition_penalty, 1.0),
-            "presence_penalty": _unless(params.presence_penalty, 0.0),
-            "frequency_penalty": _unless(params.frequency_penalty, 0.0),
-            "min_tokens": params.min_tokens or None,
-        }
-        if params.greedy:
-            # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
-            sampling = tx.SamplingConfig(beam_width=1, top_k=1, seed=params.seed, **penalties)
-        else:
-            sampling = tx.SamplingConfig(
-                beam_width=1, top_k=params.top_k or None, top_p=float(params.top_p),
-                temperature=float(params.temperature), seed=params.seed, **penalties,
-            )
+        # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
+        greedy = params.greedy
+        sampling = tx.SamplingConfig(
+            beam_width=1, top_k=1 if greedy else params.top_k or None,
+            top_p=None if greedy else float(params.top_p),
+            temperature=None if greedy else float(params.temperature), seed=params.seed,
+            min_tokens=params.min_tokens or None,
+            repetition_penalty=_unless(params.repetition_penalty, 1.0),
+            presence_penalty=_unless(params.presence_penalty, 0.0),
+            frequency_penalty=_unless(params.frequency_penalty, 0.0),
+        )
         return tx.Request(
             [int(t) for t in prompt], int(params.max_tokens),
             streaming=True,
@@ -406,7 +403,7 @@ def _refuse_unmapped(params: SamplingParams) -> None:
 def _logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
     """The chosen tokens' log-probabilities (return_log_probs): the last len(tokens)
     entries of the first sequence's list."""
-    lps = getattr(result, "log_probs", None)
+    lps = result.log_probs
     if not lps or not tokens:
         return None
     values = [float(v) for v in lps[0]][-len(tokens):]
