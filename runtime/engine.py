@@ -5,24 +5,20 @@ schedules a step, sends the plan to the other ranks, runs its own shard, samples
 hands each request's new tokens to its callback. The HTTP thread only enqueues and
 cancels; it never waits for model compute.
 
-A request is a group of sequences: one, or n/best_of that fork from the first when it
-samples its first token (runtime/scheduler.py); every sequence keeps its own sampling
-state (runtime/logits.py: random stream, penalty counts, grammar position).
+A request is a group of sequences (runtime/requests.py): one, or n/best_of that fork
+from the first when it samples its first token.
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
-
-import torch
 
 from runtime.comm import Comm
 from runtime.grammar import GrammarState
 from runtime.logits import SeqSampling
 from runtime.plan import StepPlan
+from runtime.requests import Group, RequestTable
 from runtime.runner import ModelRunner
 from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig
@@ -33,33 +29,8 @@ from runtime.types import (
     FinishReason,
     SamplingParams,
     TokenEvent,
-    TokenLogprob,
     UnsupportedParameter,
 )
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    """One request: its sequences (by index), callback and prompt log-probabilities."""
-
-    request_id: str
-    on_event: EventCallback
-    params: SamplingParams
-    prompt: list[int]
-    seq_ids: list[int] = field(default_factory=list)  # index -> seq id
-    live: int = 1  # sequences not finished (siblings join when they fork)
-    # prompt log-probabilities by position (None at 0), sent with the first token
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_sent: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    group: _Group
-    index: int
-    sampling: SeqSampling
-    emitted: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet emitted
 
 
 class LLMEngine:
@@ -72,9 +43,7 @@ class LLMEngine:
         self.comm = comm
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._seqs: dict[int, _Seq] = {}  # seq id -> sequence state
-        self._groups: dict[str, _Group] = {}  # request id -> request
-        self._ids = itertools.count()
+        self.requests = RequestTable()
         self._unfinished = 0
         self._lock = threading.Lock()
         self._stats = ExecutorStats(kv_blocks_total=self.scheduler.block_manager.num_usable)
@@ -123,7 +92,7 @@ class LLMEngine:
             if kind == "add":
                 self._admit(*payload)  # type: ignore[misc]
             else:
-                group = self._groups.get(payload)  # type: ignore[arg-type]
+                group = self.requests.groups.get(payload)  # type: ignore[arg-type]
                 if group is not None:
                     self._end_group(group, "cancelled")
 
@@ -133,10 +102,10 @@ class LLMEngine:
         cb(TokenEvent(request_id, [], "rejected", len(prompt), error=why))
 
     def _admit(self, request_id: str, prompt: list[int], params: SamplingParams, cb: EventCallback) -> None:
-        if request_id in self._groups:
+        if request_id in self.requests.groups:
             self._reject(request_id, prompt, cb, f"request id {request_id} is already running")
             return
-        sid = next(self._ids)
+        sid = self.requests.next_id()
         seq = Sequence(sid, request_id, prompt, params)
         try:
             self.scheduler.add(seq)
@@ -152,19 +121,14 @@ class LLMEngine:
                              "the output (ignore_eos is set and there are no stop_token_ids)")
                 return
             grammar = GrammarState(params.grammar, sorted(stop))
-        group = _Group(request_id, cb, params, prompt, [sid])
-        if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(prompt)
         sampling = SeqSampling(params, make_generator(params), stop, prompt, grammar)
-        self._seqs[sid] = _Seq(group, 0, sampling)
-        self._groups[request_id] = group
+        self.requests.add(sid, request_id, prompt, params, cb, sampling)
 
-    def _end_group(self, group: _Group, reason: FinishReason, error: str | None = None) -> None:
+    def _end_group(self, group: Group, reason: FinishReason, error: str | None = None) -> None:
         """End a whole request now (cancel, engine failure): one final event."""
         for sid in group.seq_ids:
             self.scheduler.abort(sid, reason)
-            self._seqs.pop(sid, None)
-        self._groups.pop(group.request_id, None)
+        self.requests.remove(group)
         with self._lock:
             self._unfinished -= 1
         group.on_event(TokenEvent(group.request_id, [], reason, len(group.prompt), error=error))
@@ -183,97 +147,22 @@ class LLMEngine:
         sampled: dict[int, int] = {}
         forks: dict[int, list[tuple[int, int]]] = {}
         if logits is not None and len(logits) > len(sampled_ids):
-            self._collect_prompt_logprobs(plan, logits[len(sampled_ids):])
+            self.requests.collect_prompt_logprobs(self.sampler, plan, logits[len(sampled_ids):])
         if sampled_ids:
             assert logits is not None
-            sampled, forks = self._sample(sampled_ids, logits)
+            sampled, forks = self.requests.sample(self.sampler, self.scheduler, sampled_ids,
+                                                  logits)
         for seq in self.scheduler.update(plan, sampled, forks):
             self._emit(seq)
         self._refresh_stats()
         return plan
 
-    def _sample(self, sampled_ids: list[int], logits: torch.Tensor
-                ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
-        """Draw every sampled row; a sequence due to fork also draws its siblings' first
-        tokens from its own row, each with its own state and random stream."""
-        rows: list[int] = []
-        seqs: list[_Seq] = []
-        owners: list[int] = []  # seq id (existing) or -1 - parent row (a new sibling)
-        for r, sid in enumerate(sampled_ids):
-            s = self._seqs[sid]
-            rows.append(r)
-            seqs.append(s)
-            owners.append(sid)
-            seq = self.scheduler.get(sid)
-            if seq is not None and seq.fork_pending:
-                group = s.group
-                for k in range(1, group.params.num_sequences):
-                    child = _Seq(group, k, s.sampling.fork(make_generator(group.params, k)))
-                    rows.append(r)
-                    seqs.append(child)
-                    owners.append(-1 - r)
-        picks = self.sampler.sample_seqs(logits[rows], [s.sampling for s in seqs])
-        sampled: dict[int, int] = {}
-        forks: dict[int, list[tuple[int, int]]] = {}
-        for s, owner, (token, lp) in zip(seqs, owners, picks):
-            s.sampling.accept(token, lp.logprob if lp is not None else None)
-            if lp is not None and s.group.params.logprobs is not None:
-                s.logprobs.append(lp)
-            if owner >= 0:
-                sampled[owner] = token
-                continue
-            parent = sampled_ids[-1 - owner]
-            child_id = next(self._ids)
-            self._seqs[child_id] = s
-            s.group.seq_ids.append(child_id)
-            s.group.live += 1
-            forks.setdefault(parent, []).append((child_id, token))
-        return sampled, forks
-
-    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
-        """Rows after the sampled ones: each entry's first `prompt_logits` positions, whose
-        logits give the log-probability of the prompt token that follows them."""
-        at = 0
-        for entry in plan.scheduled:
-            k = entry.prompt_logits
-            if not k:
-                continue
-            rows, at = logits[at:at + k], at + k
-            s = self._seqs.get(entry.seq_id)
-            if s is None or s.group.prompt_logprobs is None:
-                continue  # cancelled meanwhile
-            group, start = s.group, entry.num_computed_tokens
-            targets = group.prompt[start + 1:start + 1 + k]
-            lps = self.sampler.prompt_logprobs(rows, targets, group.params.prompt_logprobs or 0)
-            group.prompt_logprobs[start + 1:start + 1 + k] = lps
-
     def _emit(self, seq: Sequence) -> None:
-        s = self._seqs[seq.seq_id]
-        group = s.group
-        new = seq.output_token_ids[s.emitted:]
-        s.emitted = len(seq.output_token_ids)
-        logprobs = None
-        if group.params.logprobs is not None:
-            logprobs, s.logprobs = s.logprobs[:len(new)], s.logprobs[len(new):]
-        prompt_logprobs = None
-        if s.index == 0 and not group.prompt_sent:
-            group.prompt_sent = True
-            prompt_logprobs = group.prompt_logprobs
-        finish = seq.finish_reason
-        cumulative = None
-        if finish is not None:
-            self._seqs.pop(seq.seq_id)
-            group.live -= 1
-            if group.params.needs_logprobs:
-                cumulative = s.sampling.cumulative_logprob
-            if group.live == 0:
-                self._groups.pop(group.request_id, None)
-                with self._lock:
-                    self._unfinished -= 1
-        group.on_event(TokenEvent(
-            seq.request_id, new, finish, seq.num_prompt_tokens, index=s.index,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=max(0, seq.num_cached_tokens), cumulative_logprob=cumulative))
+        group, event = self.requests.event(seq)
+        if event.finish_reason is not None and group.request_id not in self.requests.groups:
+            with self._lock:
+                self._unfinished -= 1
+        group.on_event(event)
 
     def _refresh_stats(self) -> None:
         s = self.scheduler.stats()
@@ -292,7 +181,7 @@ class LLMEngine:
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:
         self._drain_inbox()
-        for group in list(self._groups.values()):
+        for group in list(self.requests.groups.values()):
             self._end_group(group, reason, error)
 
     def fail_all(self, why: str) -> None:
@@ -300,8 +189,8 @@ class LLMEngine:
         Called on the engine thread after a failed step; the scheduler's state is not
         trusted any more, so requests are ended directly."""
         self._drain_inbox()
-        for group in list(self._groups.values()):
-            self._groups.pop(group.request_id, None)
+        for group in list(self.requests.groups.values()):
+            self.requests.remove(group)
             with self._lock:
                 self._unfinished -= 1
             group.on_event(TokenEvent(group.request_id, [], "error", len(group.prompt),
