@@ -50,8 +50,8 @@ _SAMPLING: dict[str, Any] = {
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
     "stop": _STOP,
     "stream": {"type": ["boolean", "null"]},
-    "stream_options": {"type": ["object", "null"],
-                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                       "properties": {"include_usage": {"type": ["boolean", "null"]}}},
     "ignore_eos": {"type": ["boolean", "null"], "description": "vLLM's extension"},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
           "description": "choices per prompt; the prompt is prefilled once and its KV "

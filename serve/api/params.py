@@ -181,6 +181,10 @@ def sampling_fields(body: Mapping[str, Any], kind: Literal["completion", "chat"]
             raise bad("stream_options", "'stream_options' is only allowed when 'stream' is "
                       "true")
         include_usage = opt_bool(opts, "include_usage", False)
+        for key, value in opts.items():  # e.g. vLLM's continuous_usage_stats: not honoured
+            if key != "include_usage" and value not in (None, False):
+                raise bad("stream_options", f"'stream_options.{key}' is not supported",
+                          "unsupported_parameter")
     if body.get("tools"):
         raise bad("tools", "'tools' is not supported", "unsupported_parameter")
     n = opt_int(body, "n", 1)

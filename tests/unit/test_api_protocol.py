@@ -63,6 +63,8 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
      "stream_options"),
     (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
      "invalid_request_error", "include_usage"),
+    (C, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     400, "invalid_request_error", "stream_options"),
     (C, {"prompt": "x", "logprobs": 21}, 400, "invalid_request_error", "logprobs"),
     (C, {"prompt": "x", "logprobs": True}, 400, "invalid_request_error", "logprobs"),
     (C, {"prompt": "x", "echo": "yes"}, 400, "invalid_request_error", "echo"),
