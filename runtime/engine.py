@@ -4,30 +4,33 @@ Rank 0's engine loop runs on the main thread: it takes requests from a thread-sa
 schedules a step, sends the plan to the other ranks, runs its own shard, samples, and
 hands each request's new tokens to its callback. The HTTP thread only enqueues and
 cancels; it never waits for model compute.
+
+A request is a group of sequences (runtime/requests.py): one, or n/best_of that fork
+from the first when it samples its first token.
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
-from dataclasses import dataclass
 
 from runtime.comm import Comm
+from runtime.grammar import GrammarState
+from runtime.logits import SeqSampling
 from runtime.plan import StepPlan
+from runtime.requests import Group, RequestTable
 from runtime.runner import ModelRunner
 from runtime.sampler import Sampler, make_generator
 from runtime.scheduler import Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
-from runtime.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
-
-
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    on_event: EventCallback
-    generator: object
-    emitted: int = 0
+from runtime.types import (
+    EventCallback,
+    ExecutorStats,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    UnsupportedParameter,
+)
 
 
 class LLMEngine:
@@ -40,9 +43,7 @@ class LLMEngine:
         self.comm = comm
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._requests: dict[int, _Request] = {}
-        self._by_id: dict[str, int] = {}
-        self._ids = itertools.count()
+        self.requests = RequestTable()
         self._unfinished = 0
         self._lock = threading.Lock()
         self._stats = ExecutorStats(kv_blocks_total=self.scheduler.block_manager.num_usable)
@@ -53,6 +54,13 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         on_event: EventCallback,
     ) -> None:
+        limit = self.scheduler.config.max_batch_size
+        if params.num_sequences > limit:
+            raise UnsupportedParameter("num_sequences", f"{params.num_sequences} sequences per "
+                                       f"request exceed this engine's batch size ({limit})")
+        if params.guided is not None and params.grammar is None:
+            raise UnsupportedParameter("response_format", "the grammar was not compiled "
+                                       "(runtime.grammar.GrammarCompiler) before submission")
         with self._lock:
             self._unfinished += 1
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, on_event)))
@@ -84,30 +92,46 @@ class LLMEngine:
             if kind == "add":
                 self._admit(*payload)  # type: ignore[misc]
             else:
-                sid = self._by_id.get(payload)  # type: ignore[arg-type]
-                if sid is not None and self.scheduler.abort(sid):
-                    self._finish(sid, "cancelled")
+                group = self.requests.groups.get(payload)  # type: ignore[arg-type]
+                if group is not None:
+                    self._end_group(group, "cancelled")
+
+    def _reject(self, request_id: str, prompt: list[int], cb: EventCallback, why: str) -> None:
+        with self._lock:
+            self._unfinished -= 1
+        cb(TokenEvent(request_id, [], "rejected", len(prompt), error=why))
 
     def _admit(self, request_id: str, prompt: list[int], params: SamplingParams, cb: EventCallback) -> None:
-        sid = next(self._ids)
+        if request_id in self.requests.groups:
+            self._reject(request_id, prompt, cb, f"request id {request_id} is already running")
+            return
+        sid = self.requests.next_id()
         seq = Sequence(sid, request_id, prompt, params)
         try:
             self.scheduler.add(seq)
         except ValueError as e:
-            with self._lock:
-                self._unfinished -= 1
-            cb(TokenEvent(request_id, [], "rejected", len(prompt), error=str(e)))
+            self._reject(request_id, prompt, cb, str(e))
             return
-        self._requests[sid] = _Request(seq, cb, make_generator(params))
-        self._by_id[request_id] = sid
+        stop = self.scheduler.stop_token_ids(sid)
+        grammar = None
+        if params.grammar is not None:
+            if not stop:
+                self.scheduler.abort(sid)
+                self._reject(request_id, prompt, cb, "a grammar needs a stop token to end "
+                             "the output (ignore_eos is set and there are no stop_token_ids)")
+                return
+            grammar = GrammarState(params.grammar, sorted(stop))
+        sampling = SeqSampling(params, make_generator(params), stop, prompt, grammar)
+        self.requests.add(sid, request_id, prompt, params, cb, sampling)
 
-    def _finish(self, sid: int, reason: FinishReason, error: str | None = None) -> None:
-        req = self._requests.pop(sid)
-        self._by_id.pop(req.seq.request_id, None)
+    def _end_group(self, group: Group, reason: FinishReason, error: str | None = None) -> None:
+        """End a whole request now (cancel, engine failure): one final event."""
+        for sid in group.seq_ids:
+            self.scheduler.abort(sid, reason)
+        self.requests.remove(group)
         with self._lock:
             self._unfinished -= 1
-        req.on_event(TokenEvent(req.seq.request_id, [], reason, req.seq.num_prompt_tokens,
-                                error=error))
+        group.on_event(TokenEvent(group.request_id, [], reason, len(group.prompt), error=error))
 
     def step(self) -> StepPlan | None:
         """Run one iteration if there is work; returns the plan it ran."""
@@ -121,21 +145,24 @@ class LLMEngine:
             self.comm.send_plan(plan)
         sampled_ids, logits = self.runner.execute(plan)
         sampled: dict[int, int] = {}
+        forks: dict[int, list[tuple[int, int]]] = {}
+        if logits is not None and len(logits) > len(sampled_ids):
+            self.requests.collect_prompt_logprobs(self.sampler, plan, logits[len(sampled_ids):])
         if sampled_ids:
-            rows = [(self._requests[s].seq.params, self._requests[s].generator) for s in sampled_ids]
-            sampled = dict(zip(sampled_ids, self.sampler(logits, rows)))  # type: ignore[arg-type]
-        for seq in self.scheduler.update(plan, sampled):
-            req = self._requests[seq.seq_id]
-            new = seq.output_token_ids[req.emitted :]
-            req.emitted = len(seq.output_token_ids)
-            if seq.finish_reason is not None:
-                self._requests.pop(seq.seq_id)
-                self._by_id.pop(seq.request_id, None)
-                with self._lock:
-                    self._unfinished -= 1
-            req.on_event(TokenEvent(seq.request_id, new, seq.finish_reason, seq.num_prompt_tokens))
+            assert logits is not None
+            sampled, forks = self.requests.sample(self.sampler, self.scheduler, sampled_ids,
+                                                  logits)
+        for seq in self.scheduler.update(plan, sampled, forks):
+            self._emit(seq)
         self._refresh_stats()
         return plan
+
+    def _emit(self, seq: Sequence) -> None:
+        group, event = self.requests.event(seq)
+        if event.finish_reason is not None and group.request_id not in self.requests.groups:
+            with self._lock:
+                self._unfinished -= 1
+        group.on_event(event)
 
     def _refresh_stats(self) -> None:
         s = self.scheduler.stats()
@@ -146,22 +173,28 @@ class LLMEngine:
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,
             extra={"prefix_cache_hits_total": float(s.prefix_cache_hits_total),
-                   "prefix_cache_queries_total": float(s.prefix_cache_queries_total)},
+                   "prefix_cache_queries_total": float(s.prefix_cache_queries_total),
+                   "prompt_tokens_computed_total": float(s.prompt_tokens_computed_total),
+                   "forked_sequences_total": float(s.forked_sequences_total),
+                   "kv_blocks_copied_total": float(s.kv_blocks_copied_total)},
         )
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:
         self._drain_inbox()
-        for sid in list(self._requests):
-            if self.scheduler.abort(sid, reason):
-                self._finish(sid, reason, error)
+        for group in list(self.requests.groups.values()):
+            self._end_group(group, reason, error)
 
     def fail_all(self, why: str) -> None:
         """The engine cannot go on: end every request, queued or running, with an error.
         Called on the engine thread after a failed step; the scheduler's state is not
         trusted any more, so requests are ended directly."""
         self._drain_inbox()
-        for sid in list(self._requests):
-            self._finish(sid, "error", why)
+        for group in list(self.requests.groups.values()):
+            self.requests.remove(group)
+            with self._lock:
+                self._unfinished -= 1
+            group.on_event(TokenEvent(group.request_id, [], "error", len(group.prompt),
+                                      error=why))
 
     def shutdown_workers(self) -> None:
         if self.comm is not None:
@@ -170,18 +203,21 @@ class LLMEngine:
     # ---- a synchronous helper (tests, benchmarks) ------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Submit all prompts at once and step until every one finishes."""
+        """Submit all prompts at once and step until every one finishes (sequence 0's
+        tokens of each)."""
         out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
         done: dict[str, str] = {}
 
         def cb(ev: TokenEvent) -> None:
-            out[ev.request_id].extend(ev.token_ids)
-            if ev.finish_reason is not None:
+            if ev.index == 0:
+                out[ev.request_id].extend(ev.token_ids)
+            if ev.finish_reason is not None and (ev.index == 0 or ev.finish_reason not in
+                                                 ("stop", "length")):
                 done[ev.request_id] = ev.error or ev.finish_reason
 
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self.add_request(str(i), p, sp, cb)
-        while len(done) < len(prompts):
+        while self._unfinished:
             self.step()
         errors = [v for v in done.values() if v not in ("stop", "length")]
         if errors:

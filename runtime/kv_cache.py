@@ -146,6 +146,11 @@ class BlockManager:
             return None
         return block_id
 
+    def share(self, block_id: int) -> None:
+        """One more holder of a block in use (a forked sequence shares its parent's)."""
+        _check(self._ref[block_id] > 0, f"sharing block {block_id}, which is not held")
+        self._ref[block_id] += 1
+
     def acquire(self, block_id: int) -> None:
         """Take one more reference to a cached block (it leaves the free list if it was there)."""
         _check(block_id in self._hash_of, f"block {block_id} is not in the prefix cache")

@@ -6,8 +6,10 @@ sent in full once (`NewSeq`), then only deltas: new block ids and the token rank
 sampled for it in the previous step.
 
 Runners apply a plan's fields in order: `freed_seq_ids` (forget), `new_seqs` (learn),
-`appended_tokens`, then each `scheduled` entry's `new_block_ids`; then they run the step.
-A preempted sequence is freed in one plan and comes back later as a `NewSeq`.
+`appended_tokens`, `copied_blocks` (KV copy-on-write), then each `scheduled` entry's
+`new_block_ids`; then they run the step. A preempted sequence is freed in one plan and
+comes back later as a `NewSeq`; so does a sequence forked from another (n > 1), whose
+block table starts with its parent's blocks.
 
 Block id 0 is the null block: the block manager never hands it out, and the runner
 points padding slots at it, so padding writes never touch live KV data.
@@ -38,6 +40,9 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step: a prefill chunk, or 1 for decode
     new_block_ids: list[int]  # appended to the sequence's block table before this step runs
     sample: bool  # the step's last token yields logits (end of prompt, or decode)
+    # Prompt log-probabilities (echo): the first `prompt_logits` positions of this step's
+    # chunk also yield logits rows, after every sampled row, in plan order.
+    prompt_logits: int = 0
 
 
 @dataclass(slots=True)
@@ -49,6 +54,9 @@ class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     # sequences to forget, applied first (finished, cancelled, preempted)
     freed_seq_ids: list[int] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the step: the last, partly filled
+    # prompt block of a forked sequence, which siblings would otherwise write over
+    copied_blocks: list[tuple[int, int]] = field(default_factory=list)
     shutdown: bool = False
 
     @property

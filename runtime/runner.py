@@ -35,7 +35,7 @@ def prepare_inputs(
     """Flatten one step into the step function's arguments (all but the KV cache).
 
     Returns the arguments in `LlamaForCausalLM.forward` order and the seq ids whose logits
-    rows come back, in row order.
+    rows come back, in row order; rows asked for by `prompt_logits` follow those rows.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -43,7 +43,7 @@ def prepare_inputs(
     dec_q, dec_tables, dec_ctx = [], [], []
     pf_rows: list[tuple[int, int, list[int]]] = []  # (first token index, count, block table)
     owner: list[tuple[str, int, int]] = []  # per token: group, row, column
-    logits_index, sampled = [], []
+    logits_index, sampled, extra = [], [], []
     for state, s in items:
         start, n = s.num_computed_tokens, s.num_new_tokens
         first = len(ids)
@@ -63,11 +63,13 @@ def prepare_inputs(
         if s.sample:
             logits_index.append(first + n - 1)
             sampled.append(s.seq_id)
+        extra.extend(range(first, first + s.prompt_logits))
     # An empty group gets one dummy row on the null block so that no shape is ever 0.
     if not dec_q:
         dec_q, dec_tables, dec_ctx = [0], [[NULL_BLOCK]], [1]
     if not pf_rows:
         pf_rows = [(0, 1, [NULL_BLOCK])]
+    logits_index += extra
     if not logits_index:
         logits_index = [0]
     width = max(n for _, n, _ in pf_rows)
@@ -110,6 +112,10 @@ class ModelRunner:
         for sid, tok in plan.appended_tokens.items():
             if sid in self.seqs:
                 self.seqs[sid].token_ids.append(tok)
+        for src, dst in plan.copied_blocks:
+            for k, v in zip(self.k_caches, self.v_caches):
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
         items = []
         for s in plan.scheduled:
             state = self.seqs[s.seq_id]
@@ -119,11 +125,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
-        """Run one step; returns (seq ids, logits [n, vocab]) for the rows to sample."""
+        """Run one step; returns (seq ids, logits [n, vocab]) for the rows to sample,
+        followed by the `prompt_logits` rows the plan asked for."""
         items = self.apply(plan)
         if not items:
             return [], None
         args, sampled = prepare_inputs(items, self.block_size)
         dev = self.kv_cache.device
         logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.k_caches, self.v_caches)
-        return sampled, logits[: len(sampled)]
+        return sampled, logits[: len(sampled) + sum(s.prompt_logits for s in plan.scheduled)]

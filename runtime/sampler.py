@@ -1,8 +1,15 @@
-"""Token sampling on rank 0: greedy, or temperature -> top-k -> top-p -> draw.
+"""Token sampling on rank 0: processors -> temperature -> log-probabilities -> draw.
 
 Each sampled row draws one uniform number from its own CPU `torch.Generator` and picks the
 token by inverse CDF on the logits' device. So a seeded request gives the same tokens for
 the same logits whatever else shares its batch, and only `n` floats cross to the device.
+
+Log-probabilities are those of the distribution the token was drawn from: the logits
+after the processors of runtime/logits.py (grammar mask, logit_bias, penalties,
+min_tokens) and after temperature, before the top-k/top-p cut (so a token outside the
+nucleus still gets its true, finite value). This is vLLM's "processed" choice, its
+default before v1; a greedy row's temperature counts as 1. Prompt log-probabilities
+(echo) are the model's own: the raw logits, nothing applied.
 """
 
 from __future__ import annotations
@@ -12,17 +19,30 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.types import SamplingParams
+from runtime.logits import SeqSampling, apply_processors
+from runtime.types import SamplingParams, TokenLogprob
 
 Row = tuple[SamplingParams, torch.Generator | None]
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A request's random stream: None when greedy, else seeded from `seed` or os.urandom."""
+def make_generator(params: SamplingParams, offset: int = 0) -> torch.Generator | None:
+    """A sequence's random stream: None when greedy, else seeded from `seed` (+ offset, the
+    sequence's index for n > 1, as vLLM seeds a request's samples) or from os.urandom."""
     if params.greedy:
         return None
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+    if params.seed is not None:
+        seed = params.seed + offset
+    else:
+        seed = int.from_bytes(os.urandom(8), "little")
     return torch.Generator(device="cpu").manual_seed(seed % 2**64)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens of one row of log-probabilities, best first."""
+    if k <= 0:
+        return ()
+    vals, ids = logprobs.topk(min(k, logprobs.shape[0]))
+    return tuple(zip(ids.tolist(), vals.tolist()))
 
 
 class Sampler:
@@ -35,32 +55,82 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
         return self.sample(logits, rows)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
-        """logits: [n, vocab], any float dtype; rows: n (params, generator) -> n token ids."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
+    @staticmethod
+    def _check(logits: torch.Tensor, n: int) -> None:
+        if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(
-                f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows"
+                f"logits of shape {tuple(logits.shape)} do not match {n} sampling rows"
             )
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
+        """logits: [n, vocab], any float dtype; rows: n (params, generator) -> n token ids.
+
+        No processors and no log-probabilities: the plain draw (tests, golden runs)."""
+        self._check(logits, len(rows))
         logits = logits.float()  # [n, V]
-        greedy = [i for i, (p, _) in enumerate(rows) if p.greedy]
-        if len(greedy) == len(rows):
-            return logits.argmax(dim=-1).tolist()
-        out = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [n]
+        return self._choose(logits, [p for p, _ in rows], [g for _, g in rows]).tolist()
+
+    def sample_seqs(self, logits: torch.Tensor, states: Sequence[SeqSampling]
+                    ) -> list[tuple[int, TokenLogprob | None]]:
+        """The full pipeline for one step: logits [n, vocab] (not modified), one state
+        per row -> (token, its log-probability when the row needs one) per row."""
+        self._check(logits, len(states))
+        logits = logits.float().clone()  # [n, V]; processed in place
+        apply_processors(logits, states)
+        params = [s.params for s in states]
+        # Temperature on every row that has one (top_k=1 rows too: argmax does not change,
+        # their log-probabilities do); temperature 0 counts as 1.
+        hot = [i for i, p in enumerate(params) if p.temperature > 0]
+        if hot:
+            idx = torch.tensor(hot, device=logits.device)
+            temps = torch.tensor([params[i].temperature for i in hot], device=logits.device)
+            logits[idx] = logits[idx] / temps.unsqueeze(1)
+        want = [i for i, p in enumerate(params) if p.needs_logprobs]
+        logprobs = logits[want].log_softmax(dim=-1) if want else None  # [w, V]
+        tokens = self._choose(logits, params, [s.generator for s in states],
+                              tempered=True).tolist()
+        out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in tokens]
+        if logprobs is not None:
+            chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in want],
+                                                     device=logits.device))[:, 0].tolist()
+            for j, i in enumerate(want):
+                k = params[i].logprobs or 0
+                out[i] = (tokens[i], TokenLogprob(tokens[i], chosen[j], _top(logprobs[j], k)))
+        return out
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int
+                        ) -> list[TokenLogprob]:
+        """logits [m, V] at prompt positions, targets: the m tokens that follow them."""
+        lp = logits.float().log_softmax(dim=-1)  # [m, V]
+        chosen = lp.gather(1, torch.tensor([[t] for t in targets], device=lp.device))[:, 0]
+        return [TokenLogprob(int(t), c, _top(lp[j], k))
+                for j, (t, c) in enumerate(zip(targets, chosen.tolist()))]
+
+    def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                gens: Sequence[torch.Generator | None], tempered: bool = False) -> torch.Tensor:
+        """argmax for greedy rows, a draw for the others -> [n] token ids."""
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy) == len(params):
+            return logits.argmax(dim=-1)
+        out = torch.empty(len(params), dtype=torch.long, device=logits.device)  # [n]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             out[idx] = logits[idx].argmax(dim=-1)
-        drawn = [i for i, (p, _) in enumerate(rows) if not p.greedy]
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
         idx = torch.tensor(drawn, device=logits.device)
-        out[idx] = self._draw(logits[idx], [rows[i] for i in drawn])
-        return out.tolist()
+        out[idx] = self._draw(logits[idx], [params[i] for i in drawn], [gens[i] for i in drawn],
+                              tempered)
+        return out
 
-    def _draw(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              gens: list[torch.Generator | None], tempered: bool) -> torch.Tensor:
         """logits: [m, V] float32, rows all non-greedy -> [m] token ids."""
         device = logits.device
         vocab = logits.shape[1]
-        params = [p for p, _ in rows]
-        temps = torch.tensor([p.temperature for p in params], device=device)  # [m]
-        logits = logits / temps.unsqueeze(1)
+        if not tempered:
+            temps = torch.tensor([p.temperature for p in params], device=device)  # [m]
+            logits = logits / temps.unsqueeze(1)
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             logits = logits.masked_fill(~self._keep_mask(logits, params), float("-inf"))
         # The draw always runs in vocabulary order, so a row's token depends only on its own
@@ -68,7 +138,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # [m, V]
         cdf = probs.cumsum(dim=-1)  # [m, V]
         u = torch.tensor(
-            [torch.rand((), generator=g or self._fallback).item() for _, g in rows],
+            [torch.rand((), generator=g or self._fallback).item() for g in gens],
             dtype=torch.float32,
             device=device,
         )  # [m]

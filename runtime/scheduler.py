@@ -16,92 +16,37 @@ when readmitted. No sequence is admitted in a step that preempted.
 Liveness: the oldest running sequence is never preempted for another one, and `add`
 rejects what could not fit in the pool alone, so the oldest always progresses.
 
-Call order: `schedule()`, run the plan on every rank, `update(plan, sampled)`, repeat;
+n > 1 (and best_of): one sequence computes the prompt; when it samples its first token the
+engine samples its siblings' first tokens from the same logits, and `update` forks them:
+each sibling shares the prompt's full KV blocks (reference counts) and gets a copy of the
+last, partly filled one (copy-on-write, `StepPlan.copied_blocks`), so the prompt is
+prefilled once. Batch slots for the siblings are reserved when the first one is admitted.
+
+Prompt log-probabilities (echo) need logits at every prompt position: such a sequence
+skips the prefix cache, and its chunks are capped so that a step's logits rows stay
+within `max_logit_rows` (the compiled step function's bound).
+
+Call order: `schedule()`, run the plan on every rank, `update(plan, sampled, forks)`, repeat;
 `add` and `abort` go between steps. Not thread-safe: the engine loop serialises calls.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 
-from runtime.kv_cache import BlockManager, hash_block
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.scheduler_config import SchedulerConfig, SchedulerStats
+from runtime.scheduler_state import SchedulerState, arrival_order
 from runtime.sequence import SeqStatus, Sequence
 from runtime.types import FinishReason
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_batch_size: int  # sequences holding KV blocks (running) at once
-    max_num_tokens: int  # tokens computed per step, over all sequences
-    block_size: int  # tokens per KV block
-    num_blocks: int  # KV blocks in the pool, the null block included
-    max_seq_len: int  # prompt + max_tokens limit per request
-    eos_token_ids: tuple[int, ...] = ()
-    enable_prefix_caching: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_num_tokens < self.max_batch_size:
-            raise ValueError(
-                f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
-                f"({self.max_batch_size}) so that every running sequence can decode in one step"
-            )
-        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be at least 2 (block 0 is the null block), "
-                f"got {self.num_blocks!r}"
-            )
-        if not isinstance(self.eos_token_ids, tuple) or not all(
-            isinstance(t, int) and t >= 0 for t in self.eos_token_ids
-        ):
-            raise ValueError(
-                f"eos_token_ids must be a tuple of non-negative ints, got {self.eos_token_ids!r}"
-            )
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int  # usable blocks (the null block excluded)
-    preemptions_total: int
-    steps_total: int
-    tokens_last_step: int
-    prompt_tokens_total: int  # prompts of sequences that produced their first token
-    generation_tokens_total: int  # tokens sampled
-    prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits_total: int  # of those, tokens found (not computed again)
-
-
-class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
-        self._waiting: deque[Sequence] = deque()  # arrival order (preempted ones rejoin at front)
-        self._running: list[Sequence] = []  # arrival order
-        self._stop_ids: dict[int, frozenset[int]] = {}
-        self._known_to_runners: set[int] = set()
-        self._pending_freed: list[int] = []  # for the next plan's freed_seq_ids
-        self._pending_tokens: dict[int, int] = {}  # for the next plan's appended_tokens
-        self._inflight: StepPlan | None = None
-        self._next_arrival = 0
-        self._step_id = 0
-        self._preemptions = 0
-        self._tokens_last_step = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._cache_queries = 0
-        self._cache_hits = 0
+class Scheduler(SchedulerState):
+    """Decides each step; the state it changes, and how, is in SchedulerState."""
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -128,8 +73,16 @@ class Scheduler:
                 f"prompt + max_tokens needs {need} KV blocks, but the cache has only "
                 f"{self.block_manager.num_usable}; lower max_tokens or shorten the prompt"
             )
+        n_seqs = seq.params.num_sequences
+        if n_seqs > cfg.max_batch_size:
+            raise ValueError(
+                f"{n_seqs} sequences per request (n/best_of) exceed the engine's batch size "
+                f"({cfg.max_batch_size})"
+            )
         seq.num_computed_tokens = 0
         seq.arrival = self._next_arrival
+        seq.fork_pending = n_seqs > 1
+        seq.want_prompt_logits = seq.params.prompt_logprobs is not None and n_prompt > 1
         self._next_arrival += 1
         stop = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
@@ -137,6 +90,9 @@ class Scheduler:
         self._stop_ids[seq.seq_id] = frozenset(stop)
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
+
+    def stop_token_ids(self, seq_id: int) -> frozenset[int]:
+        return self._stop_ids[seq_id]
 
     def abort(self, seq_id: int, reason: FinishReason = "cancelled") -> bool:
         """Finish an unfinished sequence now and free its blocks; False if there is none."""
@@ -177,12 +133,19 @@ class Scheduler:
         bm = self.block_manager
         plan = StepPlan(step_id=self._step_id)
         budget = self.config.max_num_tokens
+        rows_left = self.config.logit_rows
         preempted = False
 
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.want_prompt_logits:
+                # Leave one row for every later running sequence (each may sample).
+                num_new = min(num_new, rows_left - (len(self._running) - i - 1))
+                if num_new < 1:
+                    i += 1
+                    continue
             need = bm.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_ids)
             while not bm.can_allocate(need):
                 victim = self._running.pop()  # the most recently arrived
@@ -194,20 +157,31 @@ class Scheduler:
                 break  # it preempted itself, and it was the last one
             new_blocks = bm.allocate(need)
             seq.block_ids.extend(new_blocks)
-            plan.scheduled.append(self._entry(seq, num_new, new_blocks))
+            if seq.seq_id in self._fresh_forks:  # the runners learn it now, table and all
+                self._fresh_forks.discard(seq.seq_id)
+                plan.new_seqs.append(NewSeq(seq.seq_id, seq.token_ids))
+                self._known_to_runners.add(seq.seq_id)
+                new_blocks = list(seq.block_ids)
+            entry = self._entry(seq, num_new, new_blocks)
+            plan.scheduled.append(entry)
+            rows_left -= entry.sample + entry.prompt_logits
             budget -= num_new
             i += 1
 
+        slots = sum(self._slots(s) for s in self._running)
         while (
             not preempted
             and self._waiting
             and budget > 0
-            and len(self._running) < self.config.max_batch_size
+            and rows_left > 0
+            and slots + self._slots(self._waiting[0]) <= self.config.max_batch_size
         ):
             seq = self._waiting[0]
             hits = self._prefix_hits(seq) if bm.enable_prefix_caching else []
             num_cached = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if seq.want_prompt_logits:
+                num_new = min(num_new, rows_left)
             need = bm.blocks_needed(num_cached + num_new) - len(hits)
             hits_in_free_list = sum(1 for b in hits if bm.ref_count(b) == 0)
             if bm.num_free - hits_in_free_list < need:
@@ -218,33 +192,49 @@ class Scheduler:
             if bm.enable_prefix_caching:
                 self._cache_queries += seq.num_tokens
                 self._cache_hits += num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.block_ids = hits + bm.allocate(need)
             seq.num_registered_blocks = len(hits)
             seq.num_computed_tokens = num_cached
             seq.status = SeqStatus.RUNNING
-            insort(self._running, seq, key=_arrival)
+            insort(self._running, seq, key=arrival_order)
+            slots += self._slots(seq)
             # A restarted sequence carries its output too: recomputing the last known token
             # samples the next new one, so it needs no appended token.
             plan.new_seqs.append(NewSeq(seq.seq_id, seq.token_ids))
             self._known_to_runners.add(seq.seq_id)
-            plan.scheduled.append(self._entry(seq, num_new, list(seq.block_ids)))
+            entry = self._entry(seq, num_new, list(seq.block_ids))
+            plan.scheduled.append(entry)
+            rows_left -= entry.sample + entry.prompt_logits
             budget -= num_new
 
         plan.freed_seq_ids = self._pending_freed
         self._pending_freed = []
         plan.appended_tokens = self._pending_tokens
         self._pending_tokens = {}
+        plan.copied_blocks = self._pending_copies
+        self._pending_copies = []
         self._inflight = plan
         self._step_id += 1
         self._tokens_last_step = plan.num_tokens
+        for entry in plan.scheduled:
+            seq = self._seqs[entry.seq_id]
+            start = entry.num_computed_tokens
+            self._prompt_computed += max(0, min(start + entry.num_new_tokens,
+                                                seq.num_prompt_tokens) - start)
         return plan
 
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a finished step: `sampled` maps seq id -> token for each `sample` entry.
+    def update(self, plan: StepPlan, sampled: Mapping[int, int],
+               forks: Mapping[int, Seq[tuple[int, int]]] | None = None) -> list[Sequence]:
+        """Record a finished step: `sampled` maps seq id -> token for each `sample` entry;
+        `forks` maps a sequence that sampled its first token and has `fork_pending` to its
+        siblings' (new seq id, first token).
 
-        Returns the sequences that got a token or finished this step; finished ones have
-        `finish_reason` set, have released their blocks, and are no longer tracked.
-        Tokens for sequences aborted while the step ran are ignored.
+        Returns the sequences that got a token or finished this step (new siblings
+        included, right after their parent); finished ones have `finish_reason` set,
+        have released their blocks, and are no longer tracked. Tokens for sequences
+        aborted while the step ran are ignored.
         """
         if plan is not self._inflight:
             raise RuntimeError(f"update() for step {plan.step_id}, which is not in flight")
@@ -264,25 +254,19 @@ class Scheduler:
             seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
             if self.block_manager.enable_prefix_caching:
                 self._register_full_blocks(seq)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
+                seq.want_prompt_logits = False
             if not entry.sample:
                 continue
             token = sampled[seq.seq_id]
-            seq.output_token_ids.append(token)
-            self._generation_tokens += 1
-            if seq.num_output_tokens == 1:
-                self._prompt_tokens += seq.num_prompt_tokens
-            if token in self._stop_ids[seq.seq_id]:
-                reason: FinishReason | None = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens:
-                reason = "length"
-            else:
-                reason = None
-            if reason is None:
+            children: list[Sequence] = []
+            if seq.fork_pending:
+                seq.fork_pending = False
+                children = self._fork(seq, (forks or {}).get(seq.seq_id, ()))
+            if self._append(seq, token) is None:
                 self._pending_tokens[seq.seq_id] = token
-            else:
-                self._running.remove(seq)
-                self._finish(seq, reason)
             out.append(seq)
+            out.extend(children)
         return out
 
     def stats(self) -> SchedulerStats:
@@ -298,80 +282,27 @@ class Scheduler:
             generation_tokens_total=self._generation_tokens,
             prefix_cache_queries_total=self._cache_queries,
             prefix_cache_hits_total=self._cache_hits,
+            prompt_tokens_computed_total=self._prompt_computed,
+            forked_sequences_total=self._forked,
+            kv_blocks_copied_total=self._copied,
         )
 
     # ---- internals ---------------------------------------------------------------------
 
+    def _slots(self, seq: Sequence) -> int:
+        """Batch slots a sequence holds: its own, plus its siblings' until it forks."""
+        return seq.params.num_sequences if seq.fork_pending else 1
+
     def _entry(self, seq: Sequence, num_new: int, new_blocks: list[int]) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        rows = 0
+        if seq.want_prompt_logits:  # positions whose next token is a prompt token
+            rows = max(0, min(start + num_new, seq.num_prompt_tokens - 1) - start)
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            num_computed_tokens=seq.num_computed_tokens,
+            num_computed_tokens=start,
             num_new_tokens=num_new,
             new_block_ids=new_blocks,
-            sample=seq.num_computed_tokens + num_new == seq.num_tokens,
+            sample=start + num_new == seq.num_tokens,
+            prompt_logits=rows,
         )
-
-    def _release(self, seq: Sequence) -> None:
-        # Last block first: the tail is the least likely to be a shared prefix, so it
-        # should be the first evicted from the prefix cache.
-        self.block_manager.free(reversed(seq.block_ids))
-        seq.block_ids = []
-        seq.num_registered_blocks = 0
-        self._pending_tokens.pop(seq.seq_id, None)
-        if seq.seq_id in self._known_to_runners:
-            self._known_to_runners.remove(seq.seq_id)
-            self._pending_freed.append(seq.seq_id)
-
-    def _preempt(self, seq: Sequence) -> None:
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        self._waiting.appendleft(seq)
-        self._preemptions += 1
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self._release(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        del self._seqs[seq.seq_id]
-        del self._stop_ids[seq.seq_id]
-
-    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The prefix-cache keys of the first `num_blocks` full blocks (computed lazily)."""
-        bs = self.config.block_size
-        hashes = seq.block_hashes
-        if len(hashes) < num_blocks:
-            tokens = seq.token_ids
-            for i in range(len(hashes), num_blocks):
-                parent = hashes[i - 1] if i else None
-                hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
-        return hashes
-
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        bs = self.config.block_size
-        # At least one token must be computed, so that the step yields logits to sample.
-        max_blocks = (seq.num_tokens - 1) // bs
-        hashes = self._block_hashes(seq, max_blocks)
-        tokens = seq.token_ids
-        hits: list[int] = []
-        for i in range(max_blocks):
-            block_id = self.block_manager.cached_block(hashes[i], tokens[i * bs : (i + 1) * bs])
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        bs = self.config.block_size
-        num_full = seq.num_computed_tokens // bs
-        if num_full <= seq.num_registered_blocks:
-            return
-        hashes = self._block_hashes(seq, num_full)
-        tokens = seq.token_ids
-        for i in range(seq.num_registered_blocks, num_full):
-            self.block_manager.register(seq.block_ids[i], hashes[i], tokens[i * bs : (i + 1) * bs])
-        seq.num_registered_blocks = num_full
-
-
-def _arrival(seq: Sequence) -> int:
-    return seq.arrival

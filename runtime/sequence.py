@@ -37,6 +37,12 @@ class Sequence:
     # they survive preemption), and how many of its blocks the cache already knows.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Prompt tokens served by the prefix cache (or a parent's prefill) at first admission.
+    num_cached_tokens: int = -1
+    # Its prompt positions still owe logits rows (prompt log-probabilities, echo).
+    want_prompt_logits: bool = False
+    # n > 1: the sequence forks into its siblings when it samples its first token.
+    fork_pending: bool = False
 
     @property
     def token_ids(self) -> list[int]:

@@ -71,9 +71,25 @@ class ServingMetrics:
         self.http_requests = Counter(f"{p}http_requests",
                                      "HTTP responses by route and status code.",
                                      ("route", "status"), registry=r)
+        # Executor totals (ExecutorStats.extra) mirrored as counters: the KV cache's reuse,
+        # which shows prefix-cache hits and n > 1 sharing one prefill.
+        self.mirrored = {
+            key: Counter(f"{p}{key.removesuffix('_total')}", doc, registry=r)
+            for key, doc in (
+                ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_hits_total", "Prompt tokens the prefix cache served."),
+                ("prompt_tokens_computed_total",
+                 "Prompt tokens run through the model (prefix-cache hits and the siblings "
+                 "of an n > 1 request, which share one prefill, excluded)."),
+                ("forked_sequences_total",
+                 "Sequences started from a sibling's prefill (n > 1, best_of)."),
+                ("kv_blocks_copied_total",
+                 "KV blocks copied on write when a sequence forked."),
+            )}
         # The executor keeps the preemption total; the counter follows it by increments.
         # The lock makes read-compare-increment atomic should two threads scrape at once.
         self._preemptions_seen = 0.0
+        self._seen: dict[str, float] = dict.fromkeys(self.mirrored, 0.0)
         self._lock = threading.Lock()
 
     def refresh(self, stats: object | None, gates: Sequence[dict[str, object]]) -> None:
@@ -83,10 +99,20 @@ class ServingMetrics:
             self.waiting.set(getattr(stats, "waiting", 0))
             self.kv_usage.set(getattr(stats, "kv_usage", 0.0))
             self._mirror_preemptions(float(getattr(stats, "preemptions_total", 0)))
+            extra = getattr(stats, "extra", None) or {}
+            for key in self.mirrored:
+                if key in extra:
+                    self._mirror(key, float(extra[key]))
         for gate in gates:
             seconds = gate.get("seconds")
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 self.gate_seconds.labels(gate=str(gate.get("name", "?"))).set(float(seconds))
+
+    def _mirror(self, key: str, total: float) -> None:
+        with self._lock:  # as _mirror_preemptions: never backwards
+            if total > self._seen[key]:
+                self.mirrored[key].inc(total - self._seen[key])
+                self._seen[key] = total
 
     def _mirror_preemptions(self, total: float) -> None:
         # A restarted source (total back to 0) must not move the exported counter back:

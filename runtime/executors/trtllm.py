@@ -28,7 +28,15 @@ from contract.errors import BuildError
 from contract.layout import MODEL_CONFIG_TRTLLM
 from runtime.checkpoint import load_engine_model_config
 from runtime.models.config import ModelConfig
-from runtime.types import EventCallback, ExecutorStats, FinishReason, SamplingParams, TokenEvent
+from runtime.types import (
+    EventCallback,
+    ExecutorStats,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    UnsupportedParameter,
+)
 
 log = logging.getLogger("serve.trtllm")
 POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
@@ -170,8 +178,16 @@ class TrtllmExecutor:
     # ---- requests ---------------------------------------------------------------------
 
     def make_request(self, prompt: list[int], params: SamplingParams) -> Any:
-        """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded)."""
+        """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
+
+        Mapped: penalties, min_tokens and seed (SamplingConfig), the chosen token's
+        log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
+        (a 400 naming the field): what the Executor cannot do as this adapter drives it
+        (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
+        Request (guided decoding needs a GuidedDecodingConfig in the ExecutorConfig; n > 1
+        needs responses dispatched by sequence_index)."""
         tx = self._tx
+        _refuse_unmapped(params)
         eos = () if params.ignore_eos else self.eos_token_ids
         stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
         # end_id ends generation and is not output; other stop ids become one-token stop
@@ -179,19 +195,24 @@ class TrtllmExecutor:
         # eos ids from the text either way).
         end_id = eos[0] if eos else None
         stop_words = [[t] for t in stops if t != end_id]
-        if params.greedy:
-            # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
-            sampling = tx.SamplingConfig(beam_width=1, top_k=1, seed=params.seed)
-        else:
-            sampling = tx.SamplingConfig(
-                beam_width=1, top_k=params.top_k or None, top_p=float(params.top_p),
-                temperature=float(params.temperature), seed=params.seed,
-            )
+        # None leaves TensorRT-LLM's default (no penalty), as the neutral values mean.
+        # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
+        greedy = params.greedy
+        sampling = tx.SamplingConfig(
+            beam_width=1, top_k=1 if greedy else params.top_k or None,
+            top_p=None if greedy else float(params.top_p),
+            temperature=None if greedy else float(params.temperature), seed=params.seed,
+            min_tokens=params.min_tokens or None,
+            repetition_penalty=_unless(params.repetition_penalty, 1.0),
+            presence_penalty=_unless(params.presence_penalty, 0.0),
+            frequency_penalty=_unless(params.frequency_penalty, 0.0),
+        )
         return tx.Request(
             [int(t) for t in prompt], int(params.max_tokens),
             streaming=True,
             sampling_config=sampling,
-            output_config=tx.OutputConfig(exclude_input_from_output=True),
+            output_config=tx.OutputConfig(exclude_input_from_output=True,
+                                          return_log_probs=params.logprobs is not None),
             end_id=end_id,
             pad_id=self.pad_id,
             stop_words=stop_words or None,
@@ -232,9 +253,11 @@ class TrtllmExecutor:
         live.emitted += len(tokens)
         with self._lock:
             self._generation_tokens += len(tokens)
+        logprobs = _logprobs(result, tokens)
         if not result.is_final:
             if tokens:
-                live.on_event(TokenEvent(live.request_id, tokens, None, live.num_prompt_tokens))
+                live.on_event(TokenEvent(live.request_id, tokens, None, live.num_prompt_tokens,
+                                         logprobs=logprobs))
             return
         reasons = result.finish_reasons
         name = getattr(reasons[0], "name", str(reasons[0])) if reasons else "NOT_FINISHED"
@@ -244,7 +267,7 @@ class TrtllmExecutor:
             log.info("request %s (id %d) finished CANCELLED after %d tokens",
                      live.request_id, live.trt_id, live.emitted)
         self._end(live, TokenEvent(live.request_id, tokens, finish, live.num_prompt_tokens,
-                                   error=error))
+                                   error=error, logprobs=logprobs))
 
     def _end(self, live: _Live, event: TokenEvent) -> None:
         with self._lock:
@@ -355,3 +378,33 @@ class TrtllmExecutor:
 
 
 _GENERATE_IDS = itertools.count()
+
+
+def _unless(value: float, neutral: float) -> float | None:
+    return None if value == neutral else float(value)
+
+
+def _refuse_unmapped(params: SamplingParams) -> None:
+    refuse = [
+        ("logprobs", bool(params.logprobs), "top alternatives per token (only the chosen "
+         "token's log-probability) are"),
+        ("prompt_logprobs", params.prompt_logprobs is not None,
+         "prompt log-probabilities (echo with logprobs) are"),
+        ("logit_bias", bool(params.logit_bias), "logit_bias is"),
+        ("guided", params.guided is not None, "structured output (response_format) is"),
+        ("num_sequences", params.num_sequences > 1, "more than one sequence per request "
+         "(n, best_of) is"),
+    ]
+    for name, asked, what in refuse:
+        if asked:
+            raise UnsupportedParameter(name, f"{what} not supported by the trtllm backend")
+
+
+def _logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
+    """The chosen tokens' log-probabilities (return_log_probs): the last len(tokens)
+    entries of the first sequence's list."""
+    lps = result.log_probs
+    if not lps or not tokens:
+        return None
+    values = [float(v) for v in lps[0]][-len(tokens):]
+    return [TokenLogprob(t, v) for t, v in zip(tokens, values)]

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve.api.protocol import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from runtime.types import MAX_LOGPROBS
+from serve.api.params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_SCHEMA_CHARS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from serve.api.protocol import MAX_PROMPTS
 from serve.api.state import ServerState
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -20,6 +30,18 @@ _STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHAR
                    {"type": "array", "maxItems": MAX_STOP_STRINGS,
                     "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
                    {"type": "null"}]}
+_TOP = {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}
+_SCHEMA_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_SCHEMA_CHARS}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text"]}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"enum": ["json_schema"]},
+        "json_schema": {"type": "object", "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"},
+            "strict": {"type": ["boolean", "null"]},
+            "schema": {"type": ["object", "boolean"]}}}}},
+    {"type": "null"}]}
 _SAMPLING: dict[str, Any] = {
     "model": {"type": ["string", "null"]},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
@@ -28,33 +50,66 @@ _SAMPLING: dict[str, Any] = {
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
     "stop": _STOP,
     "stream": {"type": ["boolean", "null"]},
-    "stream_options": {"type": ["object", "null"],
-                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                       "properties": {"include_usage": {"type": ["boolean", "null"]}}},
     "ignore_eos": {"type": ["boolean", "null"], "description": "vLLM's extension"},
-    "n": {"type": ["integer", "null"], "enum": [1, None]},
-    "presence_penalty": {"type": ["number", "null"], "enum": [0, None]},
-    "frequency_penalty": {"type": ["number", "null"], "enum": [0, None]},
-    "logprobs": {"enum": [False, None]},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
+          "description": "choices per prompt; the prompt is prefilled once and its KV "
+                         "blocks are shared"},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100,
+                           "description": "vLLM's extension: on prompt and output tokens"},
+    "logit_bias": {"type": ["object", "null"], "maxProperties": MAX_LOGIT_BIAS,
+                   "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                   "additionalProperties": {"type": "number", "minimum": -100,
+                                            "maximum": 100}},
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "stop_token_ids": {"type": ["array", "null"], "maxItems": MAX_STOP_TOKEN_IDS,
+                       "items": {"type": "integer", "minimum": 0}},
+    "response_format": _RESPONSE_FORMAT,
+    "guided_json": {"anyOf": [{"type": "object"}, _SCHEMA_TEXT, {"type": "null"}],
+                    "description": "vLLM's extension: a JSON Schema"},
+    "guided_regex": {"anyOf": [_SCHEMA_TEXT, {"type": "null"}]},
+    "guided_choice": {"type": ["array", "null"], "minItems": 1,
+                      "items": {"type": "string", "minLength": 1}},
+    "guided_grammar": {"anyOf": [_SCHEMA_TEXT, {"type": "null"}],
+                       "description": "EBNF (xgrammar's dialect)"},
     "user": {"type": ["string", "null"]},
 }
 _TOKENS = {"type": ["integer", "null"], "minimum": 1}
 _COMPLETION_REQUEST = {
     "type": "object", "required": ["prompt"], "additionalProperties": False,
-    "properties": {**_SAMPLING, "max_tokens": _TOKENS,
-                   "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                        {"type": "array", "minItems": 1,
-                                         "items": {"type": "integer", "minimum": 0}}]},
-                   "echo": {"enum": [False, None]}, "suffix": {"enum": ["", None]}}}
+    "properties": {**_SAMPLING,
+                   "max_tokens": {"type": ["integer", "null"], "minimum": 0,
+                                  "description": "0 only with echo: the prompt's "
+                                                 "log-probabilities alone"},
+                   "prompt": {"anyOf": [
+                       {"type": "string", "minLength": 1},
+                       {"type": "array", "minItems": 1,
+                        "items": {"type": "integer", "minimum": 0}},
+                       {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                        "items": {"type": "string", "minLength": 1}},
+                       {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                        "items": {"type": "array", "minItems": 1,
+                                  "items": {"type": "integer", "minimum": 0}}}]},
+                   "logprobs": _TOP, "echo": {"type": ["boolean", "null"]},
+                   "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
+                   "suffix": {"enum": ["", None]}}}
 _CHAT_REQUEST = {
     "type": "object", "required": ["messages"], "additionalProperties": False,
     "properties": {**_SAMPLING, "max_tokens": _TOKENS, "max_completion_tokens": _TOKENS,
+                   "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _TOP,
                    "messages": {"type": "array", "minItems": 1, "items": {
                        "type": "object", "required": ["role", "content"],
                        "properties": {"role": {"enum": ["system", "developer", "user",
                                                         "assistant", "tool"]},
                                       "content": {"type": "string"}}}}}}
-_USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in (
-    "prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {"type": "object", "properties": {
+    **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "prompt_tokens_details": {"type": "object", "properties": {
+        "cached_tokens": {"type": "integer",
+                          "description": "prompt tokens served by the prefix cache"}}}}}
 _COMPLETION = {"type": "object", "required": ["id", "object", "choices"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "choices": {"type": "array"}, "usage": _USAGE}}

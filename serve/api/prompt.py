@@ -15,30 +15,41 @@ from serve.api.protocol import ApiError, GenerationRequest
 GREEDY_EPS = 1e-5
 
 
-def encode_prompt(req: GenerationRequest, tokenizer: Any, vocab_size: int | None = None
-                  ) -> list[int]:
-    """Token ids of the prompt; chat requests go through the model's chat template.
+def encode_prompts(req: GenerationRequest, tokenizer: Any, vocab_size: int | None = None
+                   ) -> list[list[int]]:
+    """Token ids of each prompt (a completion batch has several, chat one); chat requests
+    go through the model's chat template.
 
     Every id must be one the model has an embedding for and the tokenizer can decode:
     below both the model's `vocab_size` and the tokenizer's length (they can differ,
     and an id between the two would fail inside the engine rather than here)."""
     if req.kind == "chat":
-        ids = _apply_chat_template(req, tokenizer)
-    elif req.prompt_token_ids is not None:
-        ids = list(req.prompt_token_ids)
+        batch = [_apply_chat_template(req, tokenizer)]
     else:
-        assert req.prompt is not None
-        ids = list(tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
-    if not ids:
-        raise ApiError(400, "the prompt encodes to zero tokens", param="prompt",
-                       code="invalid_value")
-    vocab = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
-    bad = next((t for t in ids if t >= vocab), None)
-    if bad is not None:
-        raise ApiError(400, f"prompt token id {bad} is out of range; the model's vocabulary "
-                       f"has {vocab} tokens", param="messages" if req.kind == "chat" else "prompt",
-                       code="invalid_value")
-    return ids
+        batch = [list(p) if isinstance(p, tuple) else
+                 list(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in req.prompts]
+    param = "messages" if req.kind == "chat" else "prompt"
+    vocab = model_vocab(tokenizer, vocab_size)
+    for ids in batch:
+        if not ids:
+            raise ApiError(400, "the prompt encodes to zero tokens", param="prompt",
+                           code="invalid_value")
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is out of range; the model's "
+                           f"vocabulary has {vocab} tokens", param=param, code="invalid_value")
+    return batch
+
+
+def encode_prompt(req: GenerationRequest, tokenizer: Any, vocab_size: int | None = None
+                  ) -> list[int]:
+    """The first (for chat, the only) prompt's token ids."""
+    return encode_prompts(req, tokenizer, vocab_size)[0]
+
+
+def model_vocab(tokenizer: Any, vocab_size: int | None) -> int:
+    """Ids below this are both embedded by the model and decodable by the tokenizer."""
+    return len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
 
 
 def _apply_chat_template(req: GenerationRequest, tokenizer: Any) -> list[int]:
@@ -60,8 +71,13 @@ def _apply_chat_template(req: GenerationRequest, tokenizer: Any) -> list[int]:
 
 
 def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: int,
-                          eos_token_ids: Sequence[int]) -> SamplingParams:
-    """Check the context length and build the executor's SamplingParams."""
+                          eos_token_ids: Sequence[int], vocab: int | None = None
+                          ) -> SamplingParams:
+    """Check the context length and token ids, and build the executor's SamplingParams.
+
+    max_tokens 0 (completions with echo: the prompt's log-probabilities only) runs one
+    step, whose token the HTTP layer drops. `vocab` bounds logit_bias and stop_token_ids
+    (the tokenizer's and model's smaller vocabulary, see `model_vocab`)."""
     if prompt_len >= max_seq_len:
         raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's maximum "
                        f"context length is {max_seq_len} tokens (prompt plus output)",
@@ -73,11 +89,28 @@ def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: 
                        f"{prompt_len + max_tokens} exceeds the maximum context length of "
                        f"{max_seq_len} tokens", param="max_tokens",
                        code="context_length_exceeded")
+    if req.min_tokens > max(max_tokens, 0):
+        raise ApiError(400, f"'min_tokens' ({req.min_tokens}) exceeds max_tokens "
+                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+    if vocab is not None:
+        for name, ids in (("logit_bias", [t for t, _ in req.logit_bias]),
+                          ("stop_token_ids", req.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"'{name}' names token id {bad}; the model's vocabulary "
+                               f"has {vocab} tokens", param=name, code="invalid_value")
     # With ignore_eos the eos ids are not passed at all, so the request runs to max_tokens
     # whichever way an executor reads the flag (the benchmark relies on exact lengths).
-    stop_ids = () if req.ignore_eos else tuple(eos_token_ids)
+    eos = () if req.ignore_eos else tuple(eos_token_ids)
+    stop_ids = tuple(dict.fromkeys((*eos, *req.stop_token_ids)))
     # A temperature this small overflows logits / T; it means greedy anyway (as in vLLM).
     temperature = 0.0 if req.temperature < GREEDY_EPS else req.temperature
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=req.seed, stop_token_ids=stop_ids,
-                          ignore_eos=req.ignore_eos)
+    echo_logprobs = req.echo and req.logprobs is not None
+    return SamplingParams(
+        max_tokens=max(max_tokens, 1), temperature=temperature, top_p=req.top_p,
+        top_k=req.top_k, seed=req.seed, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, n=req.n, best_of=req.best_of,
+        logprobs=req.logprobs if max_tokens > 0 else None,
+        prompt_logprobs=req.logprobs if echo_logprobs else None, guided=req.guided)

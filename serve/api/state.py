@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from runtime.grammar import GrammarCompiler
 from runtime.types import Executor
+from serve.api.choices import TokenTexts
 from serve.metrics import ServingMetrics
 
 Phase = Literal["starting", "ready", "draining", "failed"]
@@ -106,6 +108,8 @@ class ServerState:
             raise ValueError("header_timeout and keepalive_timeout must be positive")
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
+        self._grammar: GrammarCompiler | None = None
+        self._texts: TokenTexts | None = None
 
     def open_admission(self, executor: Executor) -> None:
         """Gate 10: attach the executor, then flip readiness so requests can reach it."""
@@ -128,6 +132,22 @@ class ServerState:
     def _leave(self) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this tokenizer, made on first use (its cache
+        of compiled grammars lives as long as the server)."""
+        with self._in_flight_lock:
+            if self._grammar is None:
+                vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+                self._grammar = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids())
+            return self._grammar
+
+    def token_texts(self) -> TokenTexts:
+        """token id -> text, for log-probabilities (cached across requests)."""
+        with self._in_flight_lock:
+            if self._texts is None:
+                self._texts = TokenTexts(self.tokenizer)
+            return self._texts
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """The tokenizer's eos id(s) plus `stop_token_ids`, de-duplicated."""

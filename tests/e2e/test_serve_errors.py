@@ -46,7 +46,7 @@ CASES: list[tuple[str, str, str, Body, int, str | None, str | None, tuple[str, .
     ("prompt-too-long", "POST", C, _c(prompt=LONG_PROMPT, max_tokens=1), 400, "prompt",
      "context_length_exceeded", (str(MAX_SEQ_LEN),)),
     ("unknown-model", "POST", C, _c(model="gpt-4"), 404, "model", "model_not_found", ("gpt-4",)),
-    ("n-5", "POST", C, _c(n=5), 400, "n", None, ()),
+    ("n-500", "POST", C, _c(n=500), 400, "n", None, ()),
     ("temperature-too-high", "POST", C, _c(temperature=5), 400, "temperature", None, ()),
     ("temperature-a-string", "POST", C, _c(temperature="hot"), 400, "temperature", "invalid_type", ()),
     ("temperature-nan", "POST", C, b'{"prompt": "hi", "temperature": NaN}', 400, "temperature", None, ()),
@@ -55,7 +55,20 @@ CASES: list[tuple[str, str, str, Body, int, str | None, str | None, tuple[str, .
     ("five-stop-strings", "POST", C, _c(stop=list("abcde")), 400, "stop", None, ()),
     ("stream-options-without-stream", "POST", C, _c(stream_options={"include_usage": True}),
      400, "stream_options", None, ()),
-    ("logprobs", "POST", C, _c(logprobs=3), 400, "logprobs", None, ()),
+    ("logprobs-21", "POST", C, _c(logprobs=21), 400, "logprobs", None, ()),
+    ("suffix", "POST", C, _c(suffix="tail"), 400, "suffix", "unsupported_parameter", ()),
+    ("max-tokens-zero-without-echo", "POST", C, _c(max_tokens=0, logprobs=1), 400,
+     "max_tokens", None, ()),
+    ("best-of-below-n", "POST", C, _c(n=3, best_of=2), 400, "best_of", None, ()),
+    ("n-beyond-the-batch", "POST", C, _c(n=100), 400, "n", "unsupported_parameter", ("16",)),
+    ("logit-bias-out-of-vocab", "POST", C, _c(logit_bias={"999999": 5}), 400, "logit_bias",
+     None, ("999999",)),
+    ("bad-json-schema", "POST", C, _c(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}), 400, "response_format",
+     None, ()),
+    ("chat-top-logprobs-without-logprobs", "POST", CHAT, _chat(top_logprobs=2), 400,
+     "top_logprobs", None, ()),
+    ("chat-echo", "POST", CHAT, _chat(echo=True), 400, "echo", "unsupported_parameter", ()),
     ("chat-messages-a-string", "POST", CHAT, _chat(messages="hi"), 400, "messages", "invalid_type", ()),
     ("chat-no-messages", "POST", CHAT, _chat(messages=[]), 400, "messages", None, ()),
     ("chat-unknown-role", "POST", CHAT, _chat(messages=[{"role": "wizard", "content": "hi"}]),
@@ -99,7 +112,7 @@ def test_malformed_request_gets_an_openai_shaped_4xx(server: Server, case: tuple
 def test_the_openai_client_sees_typed_errors(server: Server) -> None:
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=5)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=500)
     assert bad.value.status_code == 400 and bad.value.param == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])

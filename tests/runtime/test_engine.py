@@ -119,7 +119,7 @@ def test_cancel_frees_blocks_at_once_and_spares_others(tiny_models: dict[str, Pa
     for _ in range(5):
         engine.step()
     used_before = engine.scheduler.block_manager.num_used
-    held = len(engine.scheduler.get(engine._by_id["1"]).block_ids)
+    held = len(engine.scheduler.get(engine.requests.groups["1"].seq_ids[0]).block_ids)
     engine.cancel("1")
     engine.step()  # the cancel is applied at the start of the next iteration
     assert reasons["1"] == "cancelled"

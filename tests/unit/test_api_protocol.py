@@ -27,8 +27,9 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
     (C, {"prompt": ""}, 400, "invalid_request_error", "prompt"),
     (C, {"prompt": []}, 400, "invalid_request_error", "prompt"),
     (C, {"prompt": 42}, 400, "invalid_request_error", "prompt"),
-    (C, {"prompt": ["a", "b"]}, 400, "invalid_request_error", "prompt"),
-    (C, {"prompt": [[1, 2], [3]]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": ["a", ""]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": [[1, 2], []]}, 400, "invalid_request_error", "prompt"),
+    (C, {"prompt": ["x"] * 65}, 400, "invalid_request_error", "prompt"),
     (C, {"prompt": [1, -2, 3]}, 400, "invalid_request_error", "prompt"),
     (C, {"prompt": [1, True]}, 400, "invalid_request_error", "prompt"),
     (C, {"prompt": [1, 2.5]}, 400, "invalid_request_error", "prompt"),
@@ -45,7 +46,11 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
     (C, {"prompt": "x", "top_k": -2}, 400, "invalid_request_error", "top_k"),
     (C, {"prompt": "x", "seed": -1}, 400, "invalid_request_error", "seed"),
     (C, {"prompt": "x", "seed": 2**64}, 400, "invalid_request_error", "seed"),
-    (C, {"prompt": "x", "n": 2}, 400, "invalid_request_error", "n"),
+    (C, {"prompt": "x", "n": 0}, 400, "invalid_request_error", "n"),
+    (C, {"prompt": "x", "n": 129}, 400, "invalid_request_error", "n"),
+    (C, {"prompt": "x", "n": 3, "best_of": 2}, 400, "invalid_request_error", "best_of"),
+    (C, {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, 400, "invalid_request_error",
+     "best_of"),
     (C, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request_error",
      "stop"),
     (C, {"prompt": "x", "stop": [""]}, 400, "invalid_request_error", "stop"),
@@ -58,10 +63,31 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
      "stream_options"),
     (C, {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
      "invalid_request_error", "include_usage"),
-    (C, {"prompt": "x", "logprobs": 5}, 400, "invalid_request_error", "logprobs"),
-    (C, {"prompt": "x", "echo": True}, 400, "invalid_request_error", "echo"),
-    (C, {"prompt": "x", "frequency_penalty": 0.5}, 400, "invalid_request_error",
+    (C, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     400, "invalid_request_error", "stream_options"),
+    (C, {"prompt": "x", "logprobs": 21}, 400, "invalid_request_error", "logprobs"),
+    (C, {"prompt": "x", "logprobs": True}, 400, "invalid_request_error", "logprobs"),
+    (C, {"prompt": "x", "echo": "yes"}, 400, "invalid_request_error", "echo"),
+    (C, {"prompt": "x", "suffix": "tail"}, 400, "invalid_request_error", "suffix"),
+    (C, {"prompt": "x", "frequency_penalty": 2.5}, 400, "invalid_request_error",
      "frequency_penalty"),
+    (C, {"prompt": "x", "presence_penalty": -3}, 400, "invalid_request_error",
+     "presence_penalty"),
+    (C, {"prompt": "x", "repetition_penalty": 0}, 400, "invalid_request_error",
+     "repetition_penalty"),
+    (C, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "invalid_request_error", "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "invalid_request_error", "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": [5]}, 400, "invalid_request_error", "logit_bias"),
+    (C, {"prompt": "x", "min_tokens": -1}, 400, "invalid_request_error", "min_tokens"),
+    (C, {"prompt": "x", "min_tokens": True}, 400, "invalid_request_error", "min_tokens"),
+    (C, {"prompt": "x", "stop_token_ids": [1, -1]}, 400, "invalid_request_error",
+     "stop_token_ids"),
+    (C, {"prompt": "x", "guided_choice": []}, 400, "invalid_request_error", "guided_choice"),
+    (C, {"prompt": "x", "guided_regex": 5}, 400, "invalid_request_error", "guided_regex"),
+    (C, {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "invalid_request_error", "guided_choice"),
+    (C, {"prompt": "x", "guided_json": {}, "ignore_eos": True}, 400, "invalid_request_error",
+     "ignore_eos"),
     (C, {"prompt": "x", "ignore_eos": "true"}, 400, "invalid_request_error", "ignore_eos"),
     (C, {"prompt": "x", "model": 3}, 400, "invalid_request_error", "model"),
     (CHAT, {}, 400, "invalid_request_error", "messages"),
@@ -80,9 +106,18 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
      "max_completion_tokens"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_request_error",
      "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+    (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "invalid_request_error", "response_format"),
-    (CHAT, {"messages": MSG, "n": 3}, 400, "invalid_request_error", "n"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "invalid_request_error", "response_format"),
+    (CHAT, {"messages": MSG, "response_format": "json"}, 400, "invalid_request_error",
+     "response_format"),
+    (CHAT, {"messages": MSG, "n": 200}, 400, "invalid_request_error", "n"),
+    (CHAT, {"messages": MSG, "logprobs": 3}, 400, "invalid_request_error", "logprobs"),
+    (CHAT, {"messages": MSG, "top_logprobs": 3}, 400, "invalid_request_error",
+     "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
+     "invalid_request_error", "top_logprobs"),
 ]
 
 
@@ -126,11 +161,10 @@ def test_valid_completion_defaults_and_neutral_fields_accepted() -> None:
 
 
 @pytest.mark.parametrize(("endpoint", "field", "value"), [
-    (C, "logit_bias", {"5": 10}), (C, "best_of", 2),
-    (CHAT, "top_logprobs", 3), (CHAT, "tool_choice", "auto"),
-    (CHAT, "functions", [{"name": "f"}]), (C, "min_tokens", 4),
-    (CHAT, "repetition_penalty", 1.2), (C, "best_effort", 3),
-    (CHAT, "parallel_tool_calls", True), (C, "min_tokens", True),
+    (CHAT, "best_of", 2), (CHAT, "echo", True), (C, "top_logprobs", 3),
+    (CHAT, "tool_choice", "auto"), (CHAT, "functions", [{"name": "f"}]),
+    (C, "best_effort", 3), (CHAT, "parallel_tool_calls", True), (CHAT, "suffix", "x"),
+    (C, "prompt_logprobs", 1), (C, "logits_processors", ["x"]),
 ])
 def test_every_field_not_honoured_is_a_400_naming_it(endpoint: str, field: str, value: Any
                                                       ) -> None:
@@ -247,3 +281,74 @@ def test_template_exception_is_a_400() -> None:
     with pytest.raises(ApiError, match="roles must alternate") as info:
         encode_prompt(parse_chat_request({"messages": MSG}), tok)
     assert info.value.status == 400
+
+
+def test_every_honoured_field_reaches_the_request() -> None:
+    req = parse_completion_request({
+        "prompt": ["a b", [5, 6]], "n": 2, "best_of": 3, "logprobs": 4, "echo": True,
+        "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.3,
+        "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3, "stop_token_ids": [4, 4, 2],
+        "seed": 11, "max_tokens": 0})
+    assert req.prompts == ("a b", (5, 6)) and req.prompt == "a b"
+    assert (req.n, req.best_of, req.logprobs, req.echo, req.max_tokens) == (2, 3, 4, True, 0)
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (
+        0.5, -0.25, 1.3)
+    assert req.logit_bias == ((7, -100.0), (9, 2.5)) and req.min_tokens == 3
+    assert req.stop_token_ids == (4, 2) and req.seed == 11
+
+
+def test_chat_logprobs_and_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_chat_request({"messages": MSG, "logprobs": True, "top_logprobs": 5,
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": schema, "strict": True}}})
+    assert req.logprobs == 5 and req.guided is not None
+    assert req.guided.kind == "json_schema" and req.guided_param == "response_format"
+    assert parse_chat_request({"messages": MSG, "logprobs": True}).logprobs == 0
+    assert parse_chat_request({"messages": MSG, "logprobs": False}).logprobs is None
+    req = parse_chat_request({"messages": MSG, "response_format": {"type": "json_object"}})
+    assert req.guided is not None and req.guided.kind == "json_object"
+    assert parse_chat_request({"messages": MSG,
+                               "response_format": {"type": "text"}}).guided is None
+    req = parse_chat_request({"messages": MSG, "guided_choice": ["yes", "no"]})
+    assert req.guided is not None and req.guided.kind == "choice"
+    assert req.guided_param == "guided_choice"
+    req = parse_completion_request({"prompt": "x", "guided_regex": "[0-9]+"})
+    assert req.guided is not None and (req.guided.kind, req.guided.value) == ("regex", "[0-9]+")
+
+
+def test_sampling_params_carry_every_field(tok: PreTrainedTokenizerFast) -> None:
+    req = parse_completion_request({
+        "prompt": "x", "n": 2, "best_of": 3, "logprobs": 2, "echo": True, "max_tokens": 5,
+        "presence_penalty": 0.5, "logit_bias": {"7": 1}, "min_tokens": 2,
+        "stop_token_ids": [9], "repetition_penalty": 1.1})
+    p = build_sampling_params(req, 3, 64, [0], vocab=len(tok))
+    assert (p.n, p.best_of, p.num_sequences, p.logprobs, p.prompt_logprobs) == (2, 3, 3, 2, 2)
+    assert p.stop_token_ids == (0, 9) and p.logit_bias == ((7, 1.0),) and p.min_tokens == 2
+    assert (p.presence_penalty, p.repetition_penalty) == (0.5, 1.1)
+
+
+def test_max_tokens_zero_is_only_for_echo_and_runs_one_step() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_completion_request({"prompt": "x", "max_tokens": 0})
+    assert info.value.param == "max_tokens"
+    req = parse_completion_request({"prompt": "x", "max_tokens": 0, "echo": True,
+                                    "logprobs": 1})
+    p = build_sampling_params(req, 3, 64, [0])
+    assert p.max_tokens == 1 and p.logprobs is None and p.prompt_logprobs == 1
+
+
+@pytest.mark.parametrize(("field", "value"), [("logit_bias", {"400": 1}),
+                                               ("stop_token_ids", [1, 400])])
+def test_token_ids_in_fields_are_checked_against_the_vocabulary(field: str, value: Any) -> None:
+    req = parse_completion_request({"prompt": "x", field: value})
+    with pytest.raises(ApiError, match="400") as info:
+        build_sampling_params(req, 1, 64, [0], vocab=320)
+    assert info.value.param == field
+
+
+def test_min_tokens_above_max_tokens_is_a_400() -> None:
+    req = parse_completion_request({"prompt": "x", "min_tokens": 9, "max_tokens": 4})
+    with pytest.raises(ApiError) as info:
+        build_sampling_params(req, 1, 64, [0])
+    assert info.value.param == "min_tokens"

@@ -159,7 +159,11 @@ def test_oversized_bodies_are_413_declared_or_chunked(server) -> None:
     (b"{oops", None),
     (b"[]", None),
     (json.dumps({"prompt": "hi", "max_tokens": "many"}), "max_tokens"),
-    (json.dumps({"prompt": "hi", "n": 2}), "n"),
+    (json.dumps({"prompt": "hi", "n": 0}), "n"),
+    (json.dumps({"prompt": "hi", "response_format": {"type": "json_schema",
+                                                     "json_schema": {"schema": {"type": 5}}}}),
+     "response_format"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"99999": 1}}), "logit_bias"),
     (json.dumps({"prompt": "the lazy dog", "max_tokens": 64}), "max_tokens"),
     (json.dumps({"prompt": [1, 99999]}), "prompt"),
 ])

@@ -88,6 +88,16 @@ EXPECTED = {
         ("counter", "Requests finished, by finish reason.", ("finished_reason",)),
     "llmserve_http_requests_total":
         ("counter", "HTTP responses by route and status code.", ("route", "status")),
+    "llmserve_prefix_cache_queries_total":
+        ("counter", "Prompt tokens looked up in the prefix cache.", ()),
+    "llmserve_prefix_cache_hits_total": ("counter", "Prompt tokens the prefix cache served.", ()),
+    "llmserve_prompt_tokens_computed_total":
+        ("counter", "Prompt tokens run through the model (prefix-cache hits and the siblings "
+         "of an n > 1 request, which share one prefill, excluded).", ()),
+    "llmserve_forked_sequences_total":
+        ("counter", "Sequences started from a sibling's prefill (n > 1, best_of).", ()),
+    "llmserve_kv_blocks_copied_total":
+        ("counter", "KV blocks copied on write when a sequence forked.", ()),
 }
 
 
@@ -207,3 +217,16 @@ def test_label_values_are_escaped_and_survive_a_round_trip() -> None:
     odd = 'a "quoted"\nback\\slash'
     m.http_requests.labels(route=odd, status="404").inc(2)
     assert parse(render(m)).value("llmserve_http_requests_total", route=odd, status="404") == 2
+
+
+def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
+    from runtime.types import ExecutorStats
+
+    m = ServingMetrics()
+    m.refresh(ExecutorStats(extra={"prompt_tokens_computed_total": 40.0,
+                                   "forked_sequences_total": 3.0}), [])
+    m.refresh(ExecutorStats(extra={"prompt_tokens_computed_total": 10.0}), [])  # a restart
+    m.refresh(ExecutorStats(extra={"prompt_tokens_computed_total": 45.0}), [])
+    page = parse(render(m))
+    assert page.value("llmserve_prompt_tokens_computed_total") == 45.0
+    assert page.value("llmserve_forked_sequences_total") == 3.0

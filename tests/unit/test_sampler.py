@@ -144,3 +144,63 @@ def test_large_and_negative_seeds_are_accepted() -> None:
     for seed in (2**70, -5):
         params = SamplingParams(temperature=1.0, seed=seed)
         assert make_generator(params) is not None
+
+
+# ---- the full pipeline: processors, temperature, log-probabilities --------------------
+
+from runtime.logits import SeqSampling  # noqa: E402
+
+
+def _state(params: SamplingParams, prompt: list[int] = (), stops: tuple[int, ...] = ()
+           ) -> SeqSampling:
+    return SeqSampling(params, make_generator(params), stops, list(prompt))
+
+
+def test_logprobs_follow_temperature_and_list_the_top_k() -> None:
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(20))
+    p = SamplingParams(temperature=0.5, seed=1, logprobs=3)
+    ((token, lp),) = Sampler().sample_seqs(logits, [_state(p)])
+    ref = (logits[0] / 0.5).log_softmax(-1)
+    assert lp is not None and lp.token == token
+    assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-5)
+    assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+    ((token, lp),) = Sampler().sample_seqs(logits, [_state(greedy)])
+    assert token == logits.argmax().item() and lp is not None and lp.top == ()
+    assert lp.logprob == pytest.approx(logits[0].log_softmax(-1)[token].item(), abs=1e-5)
+
+
+def test_penalties_bias_and_min_tokens_formulas() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5,
+                       frequency_penalty=0.25, logit_bias=((4, -3.0),), min_tokens=3,
+                       logprobs=0)
+    s = _state(p, prompt=[1], stops=(3,))
+    s.accept(0, None)
+    s.accept(0, None)
+    # token 0: seen twice in the output -> 2.0 / 2 - 0.5 - 2 * 0.25 = 0.0; token 1 in the
+    # prompt -> -1.0 * 2 = -2.0; token 3 is the stop token, masked (2 < min_tokens 3);
+    # token 4 biased: 1.0 - 3.0 = -2.0; token 2 untouched: 0.5.
+    ((token, lp),) = Sampler().sample_seqs(logits, [s])
+    want = torch.tensor([0.0, -2.0, 0.5, float("-inf"), -2.0]).log_softmax(-1)
+    assert token == 2 and lp is not None
+    assert lp.logprob == pytest.approx(want[2].item(), abs=1e-6)
+    s.accept(2, None)  # three tokens out: the stop token is allowed again
+    ((token, _),) = Sampler().sample_seqs(logits, [s])
+    assert token == 3
+
+
+def test_the_pipeline_does_not_depend_on_the_batch() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(21))
+    mixed = [SamplingParams(temperature=0.9, seed=1, presence_penalty=1.0, logprobs=2),
+             SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=1),
+             SamplingParams(temperature=1.3, seed=3, logit_bias=((7, 5.0),), top_k=5),
+             SamplingParams(temperature=0.7, seed=4, min_tokens=2, top_p=0.8)]
+    def states() -> list[SeqSampling]:
+        out = [_state(p, prompt=[1, 2, 3], stops=(5,)) for p in mixed]
+        for s in out:
+            s.accept(3, None)
+        return out
+    batched = Sampler().sample_seqs(logits, states())
+    alone = [Sampler().sample_seqs(logits[i:i + 1], [s])[0] for i, s in enumerate(states())]
+    assert batched == alone

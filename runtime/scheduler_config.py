@@ -1,0 +1,69 @@
+"""The scheduler's configuration and statistics (plain data; see runtime/scheduler.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int  # sequences holding KV blocks (running) at once
+    max_num_tokens: int  # tokens computed per step, over all sequences
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in the pool, the null block included
+    max_seq_len: int  # prompt + max_tokens limit per request
+    eos_token_ids: tuple[int, ...] = ()
+    enable_prefix_caching: bool = False
+    # Logits rows one step may return (sampled rows plus prompt log-probability rows).
+    # A compiled step function has a fixed upper bound (pipeline/compile/aoti.py); None
+    # means no bound beyond max_num_tokens (eager).
+    max_logit_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least max_batch_size "
+                f"({self.max_batch_size}) so that every running sequence can decode in one step"
+            )
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the null block), "
+                f"got {self.num_blocks!r}"
+            )
+        if not isinstance(self.eos_token_ids, tuple) or not all(
+            isinstance(t, int) and t >= 0 for t in self.eos_token_ids
+        ):
+            raise ValueError(
+                f"eos_token_ids must be a tuple of non-negative ints, got {self.eos_token_ids!r}"
+            )
+        if self.max_logit_rows is not None and self.max_logit_rows < self.max_batch_size:
+            raise ValueError(
+                f"max_logit_rows ({self.max_logit_rows}) must be at least max_batch_size "
+                f"({self.max_batch_size}): every running sequence may sample in one step"
+            )
+
+    @property
+    def logit_rows(self) -> int:
+        return self.max_logit_rows if self.max_logit_rows is not None else self.max_num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int  # usable blocks (the null block excluded)
+    preemptions_total: int
+    steps_total: int
+    tokens_last_step: int
+    prompt_tokens_total: int  # prompts of sequences that produced their first token
+    generation_tokens_total: int  # tokens sampled
+    prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int  # of those, tokens found (not computed again)
+    prompt_tokens_computed_total: int = 0  # prompt positions run through the model
+    forked_sequences_total: int = 0  # sequences started from a sibling's prefill (n > 1)
+    kv_blocks_copied_total: int = 0  # copy-on-write of a fork's last prompt block

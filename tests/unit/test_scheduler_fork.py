@@ -1,0 +1,191 @@
+"""n > 1 (forked siblings sharing one prefill) and prompt log-probability rows in the
+scheduler, against the pure-Python mirror of the runners (tests/unit/test_scheduler.py),
+extended with copy-on-write of KV blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.plan import StepPlan
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import Sequence
+from runtime.types import SamplingParams
+from tests.unit.test_scheduler import EOS, VOCAB, MirrorRunner, next_token
+
+
+class CowRunner(MirrorRunner):
+    """The mirror, plus `copied_blocks` applied before the step (as runtime/runner.py)."""
+
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        bs = self.block_size
+        for src, dst in plan.copied_blocks:
+            for off in range(bs):
+                if src * bs + off in self.kv:
+                    self.kv[dst * bs + off] = self.kv[src * bs + off]
+                else:
+                    self.kv.pop(dst * bs + off, None)
+        return super().execute(plan)
+
+
+def first_token(prompt: list[int], k: int) -> int:
+    """Sibling k's first token: distinct per sibling so that the outputs diverge."""
+    return (next_token(prompt) + 7 * k) % VOCAB
+
+
+def expected(prompt: list[int], k: int, max_tokens: int) -> tuple[list[int], str]:
+    out = [first_token(prompt, k)]
+    while out[-1] != EOS and len(out) < max_tokens:
+        out.append(next_token(prompt + out))
+    return out, "stop" if out[-1] == EOS else "length"
+
+
+def drive(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], seed: int = 0,
+          abort_rate: float = 0.0) -> tuple[dict[tuple[int, int], tuple[list[int], str]],
+                                            Scheduler]:
+    """All requests at once; results by (request, sibling index)."""
+    rng = random.Random(seed)
+    sched, runner = Scheduler(cfg), CowRunner(cfg.block_size)
+    ids = iter(range(1000, 10**6))
+    index: dict[int, tuple[int, int]] = {}  # seq id -> (request, sibling)
+    for r, (prompt, params) in enumerate(reqs):
+        sched.add(Sequence(r, f"req-{r}", list(prompt), params))
+        index[r] = (r, 0)
+    results: dict[tuple[int, int], tuple[list[int], str]] = {}
+    steps = 0
+    while sched.has_unfinished():
+        if abort_rate and rng.random() < abort_rate:
+            victim = rng.choice([s.seq_id for s in sched.running + sched.waiting])
+            seq = sched.get(victim)
+            assert seq is not None and sched.abort(victim)
+            results[index[victim]] = (list(seq.output_token_ids), "cancelled")
+        plan = sched.schedule()
+        sched.block_manager.check_integrity()
+        assert plan.num_tokens <= cfg.max_num_tokens
+        assert len(sched.running) <= cfg.max_batch_size
+        rows = sum(s.sample + s.prompt_logits for s in plan.scheduled)
+        assert rows <= cfg.logit_rows
+        runner.execute(plan)
+        sampled, forks = {}, {}
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            seq = sched.get(s.seq_id)
+            assert seq is not None
+            tokens = seq.token_ids
+            r, k = index[s.seq_id]
+            sampled[s.seq_id] = first_token(tokens, k) if not seq.output_token_ids \
+                else next_token(tokens)
+            if seq.fork_pending:
+                forks[s.seq_id] = []
+                for k in range(1, seq.params.num_sequences):
+                    cid = next(ids)
+                    index[cid] = (r, k)
+                    forks[s.seq_id].append((cid, first_token(tokens, k)))
+        for seq in sched.update(plan, sampled, forks):
+            if seq.finish_reason is not None:
+                results[index[seq.seq_id]] = (list(seq.output_token_ids), seq.finish_reason)
+        sched.block_manager.check_integrity()
+        steps += 1
+        assert steps < 20_000, "no progress"
+    plan = sched.schedule()
+    runner.execute(plan)
+    sched.update(plan, {})
+    assert sched.block_manager.num_used == 0
+    return results, sched
+
+
+def _requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))]
+        n = rng.choice([1, 1, 2, 3, 4])
+        out.append((prompt, SamplingParams(max_tokens=rng.randint(1, 20), n=n)))
+    return out
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24])  # roomy, and tight enough to preempt
+@pytest.mark.parametrize("caching", [False, True])
+def test_every_sibling_continues_its_own_prefix(num_blocks: int, caching: bool) -> None:
+    reqs = _requests(num_blocks, 12)
+    cfg = SchedulerConfig(max_batch_size=8, max_num_tokens=32, block_size=4,
+                          num_blocks=num_blocks, max_seq_len=64, eos_token_ids=(EOS,),
+                          enable_prefix_caching=caching)
+    results, sched = drive(cfg, reqs)
+    for r, (prompt, params) in enumerate(reqs):
+        for k in range(params.n):
+            assert results[(r, k)] == expected(prompt, k, params.max_tokens), (r, k)
+    stats = sched.stats()
+    assert stats.forked_sequences_total == sum(p.n - 1 for _, p in reqs)
+    if num_blocks == 24:
+        assert stats.preemptions_total > 0
+
+
+def test_siblings_share_the_prompt_blocks_and_copy_only_the_partial_one() -> None:
+    cfg = SchedulerConfig(8, 64, 4, 64, 128, (EOS,))
+    sched = Scheduler(cfg)
+    prompt = list(range(1, 11))  # 10 tokens: blocks of 4, 4 and a partial 2
+    sched.add(Sequence(0, "r", prompt, SamplingParams(max_tokens=5, n=3)))
+    plan = sched.schedule()
+    assert plan.scheduled[0].sample and sched.get(0).fork_pending
+    out = sched.update(plan, {0: 11}, {0: [(1, 12), (2, 13)]})
+    assert [s.seq_id for s in out] == [0, 1, 2]
+    parent, a, b = (sched.get(i) for i in range(3))
+    assert a.block_ids[:2] == b.block_ids[:2] == parent.block_ids[:2]
+    assert len({parent.block_ids[2], a.block_ids[2], b.block_ids[2]}) == 3
+    assert sched.block_manager.ref_count(parent.block_ids[0]) == 3
+    assert a.output_token_ids == [12] and a.num_computed_tokens == 10
+    nxt = sched.schedule()
+    assert nxt.copied_blocks == [(parent.block_ids[2], a.block_ids[2]),
+                                 (parent.block_ids[2], b.block_ids[2])]
+    assert [n.seq_id for n in nxt.new_seqs] == [1, 2]  # the runners learn the siblings
+    entry = {s.seq_id: s for s in nxt.scheduled}
+    assert entry[1].new_block_ids == a.block_ids and entry[1].num_computed_tokens == 10
+    assert sched.stats().prompt_tokens_computed_total == 10
+
+
+def test_batch_slots_are_reserved_for_siblings() -> None:
+    cfg = SchedulerConfig(4, 64, 4, 64, 128, (EOS,))
+    sched = Scheduler(cfg)
+    sched.add(Sequence(0, "a", [1, 2, 3], SamplingParams(max_tokens=5, n=3)))
+    sched.add(Sequence(1, "b", [4, 5], SamplingParams(max_tokens=5)))
+    sched.add(Sequence(2, "c", [6, 7], SamplingParams(max_tokens=5)))
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.scheduled] == [0, 1]  # 3 slots for "a", one for "b"
+    with pytest.raises(ValueError, match="batch size"):
+        sched.add(Sequence(3, "d", [1], SamplingParams(max_tokens=2, n=5)))
+
+
+def test_prompt_logit_rows_cover_every_prompt_position_within_the_bound() -> None:
+    cfg = SchedulerConfig(4, 64, 4, 64, 128, (EOS,), enable_prefix_caching=True,
+                          max_logit_rows=6)
+    sched, runner = Scheduler(cfg), CowRunner(4)
+    prompt = list(range(1, 21))
+    covered: list[int] = []
+
+    def run_all() -> None:
+        while sched.has_unfinished():
+            plan = sched.schedule()
+            assert sum(s.sample + s.prompt_logits for s in plan.scheduled) <= 6
+            runner.execute(plan)
+            for s in plan.scheduled:
+                if s.seq_id == 1:
+                    covered.extend(range(s.num_computed_tokens,
+                                         s.num_computed_tokens + s.prompt_logits))
+            sampled = {s.seq_id: next_token(sched.get(s.seq_id).token_ids)
+                       for s in plan.scheduled if s.sample}
+            sched.update(plan, sampled)
+
+    # A first request fills the prefix cache; the second must not use it (it needs rows).
+    sched.add(Sequence(0, "warm", prompt, SamplingParams(max_tokens=1)))
+    run_all()
+    computed = sched.stats().prompt_tokens_computed_total
+    sched.add(Sequence(1, "echo", prompt, SamplingParams(max_tokens=2, prompt_logprobs=1)))
+    sched.add(Sequence(2, "other", prompt[:9] + [3], SamplingParams(max_tokens=3)))
+    run_all()
+    assert covered == list(range(len(prompt) - 1))
+    stats = sched.stats()
+    assert stats.prefix_cache_hits_total == 8  # "other" hit two blocks, "echo" none
+    assert stats.prompt_tokens_computed_total - computed == 20 + 2
