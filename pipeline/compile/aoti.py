@@ -71,7 +71,8 @@ def dynamic_shapes(profile: BuildProfile, layers: int) -> tuple[object, ...]:
         {0: dec}, {0: dec, 1: Dim("decode_blocks", min=1, max=max(m, 3))}, {0: dec},
         {0: pf, 1: Dim("prefill_chunk", min=1, max=max(t, 7))},
         {0: pf, 1: Dim("prefill_blocks", min=1, max=max(m, 5))},
-        {0: Dim("logit_rows", min=1, max=max(b, 6))},
+        # Up to a whole step's tokens: prompt log-probabilities (echo) want a row per token.
+        {0: Dim("logit_rows", min=1, max=max(t, 6))},
         [{0: kv_blocks}] * layers,
         [{0: kv_blocks}] * layers,
     )

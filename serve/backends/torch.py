@@ -219,15 +219,12 @@ class TorchBackend(Backend):
         assert runner is not None
         p = m.profile
         eos = tuple(dict.fromkeys((*self.st.eos_token_ids, *self.model.eos_token_ids)))
-        # A compiled step function returns at most max(max_batch_size, 6) logits rows (the
-        # bound pipeline/compile/aoti.py exported it with); prompt log-probabilities (echo)
-        # are chunked to fit it. The eager step function has no bound.
-        rows = p.max_batch_size if m.backend == "aoti" else None
+        # A compiled step function returns at most max_num_tokens logits rows (the bound
+        # pipeline/compile/aoti.py exports it with), which is the scheduler's default.
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
             max_seq_len=p.max_seq_len, eos_token_ids=eos, enable_prefix_caching=True,
-            max_logit_rows=rows,
         )
         self.engine = LLMEngine(runner, sc, self.comm)
         return self.engine
