@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
 from runtime.plan import StepPlan
 from runtime.wire import (
     dumps,
@@ -82,16 +80,18 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def mpi_bootstrap(host: str = "127.0.0.1") -> tuple[Bootstrap, socket.socket | None]:
-    """Rank discovery over MPI; rank 0 also returns its listening plan socket."""
+def mpi_bootstrap(host: str = "127.0.0.1", listener: socket.socket | None = None
+                  ) -> tuple[Bootstrap, socket.socket | None]:
+    """Rank discovery over MPI; rank 0 also returns its listening plan socket (the one
+    given, when its caller made it before MPI was up)."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    listener = None
     addrs = None
     if rank == 0:
-        listener = socket.create_server((host, 0), backlog=max(size, 8))
+        if listener is None:
+            listener = socket.create_server((host, 0), backlog=max(size, 8))
         addrs = (f"tcp://{host}:{_free_port(host)}", host, listener.getsockname()[1],
                  secrets.token_hex(32))
     store, plan_host, plan_port, secret = world.bcast(addrs, root=0)
@@ -203,6 +203,8 @@ class Comm:
 
     def init_process_group(self, backend: str) -> None:
         """The torch world group (default group, name "0", as compiled into engines)."""
+        import torch.distributed as dist  # not at the top: the supervisor needs no torch
+
         if self.size == 1 or dist.is_initialized():
             return
         dist.init_process_group(backend, init_method=self.boot.store_addr, rank=self.rank,
@@ -245,8 +247,18 @@ class Comm:
             if s is not None:
                 s.close()
         self._peers, self._leader = [], None
-        if dist.is_initialized():
+        dist = _dist()
+        if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dist() -> Any:
+    """torch.distributed when this process has imported torch (else nothing to destroy)."""
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    return dist
 
 
 def finish(code: int, comm: Comm | None = None) -> NoReturn:
@@ -259,7 +271,7 @@ def finish(code: int, comm: Comm | None = None) -> NoReturn:
     """
     if comm is not None:
         comm.close()
-    elif dist.is_initialized():
+    elif (dist := _dist()) is not None and dist.is_initialized():
         dist.destroy_process_group()
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():

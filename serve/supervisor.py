@@ -6,6 +6,10 @@ drain for up to --drain-timeout, so the serving process is this supervisor's chi
 own session, out of the launcher's reach: the supervisor forwards the signal and mirrors
 the worker's exit code while it lives. A worker whose supervisor dies without having
 forwarded a signal first (a crash, kill -9) exits non-zero at once; see serve/worker.py.
+
+The worker starts first: MPI's start-up (about 1.5 s here, mostly waiting) runs while the
+worker imports torch, and the bootstrap (ranks, addresses, the job's secret) reaches it
+through a pipe when MPI has it. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,21 +26,39 @@ from runtime.comm import Bootstrap, mpi_bootstrap
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"
 PLAN_FD_ENV = "AOTLLM_PLAN_FD"
+BOOT_FD_ENV = "AOTLLM_BOOT_FD"  # the bootstrap arrives on this pipe, one line
 
 
 LAUNCH_TIME_ENV = "AOTLLM_LAUNCH_TIME"
 
 
+def rank_from_env() -> int | None:
+    """This process's rank as mpirun's environment says, before MPI is initialized."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
-    launched = time.time()  # the interpreter's own start (~0.3 s) precedes this
-    boot, listener = mpi_bootstrap(host)
+    launched = time.time()  # the interpreter's own start (~0.1 s) precedes this
+    rank = rank_from_env()
     # The worker watches the read end: EOF means this supervisor is gone.
     parent_r, parent_w = os.pipe()
     env = dict(os.environ)
-    env[Bootstrap.ENV] = boot.to_env()
     env.setdefault(LAUNCH_TIME_ENV, repr(launched))
     env[PARENT_FD_ENV] = str(parent_r)
     fds = [parent_r]
+    boot_w = -1
+    if rank is None:  # no rank before MPI: bootstrap first, then start the worker
+        boot, listener = mpi_bootstrap(host)
+        env[Bootstrap.ENV] = boot.to_env()
+    else:
+        listener = socket.create_server((host, 0), backlog=8) if rank == 0 else None
+        boot_r, boot_w = os.pipe()
+        env[BOOT_FD_ENV] = str(boot_r)
+        fds.append(boot_r)
     if listener is not None:
         env[PLAN_FD_ENV] = str(listener.fileno())
         fds.append(listener.fileno())
@@ -44,6 +67,13 @@ def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
         start_new_session=True,
     )
     os.close(parent_r)
+    if boot_w >= 0:
+        os.close(boot_r)
+        try:  # MPI comes up while the worker imports
+            boot, _ = mpi_bootstrap(host, listener)
+            os.write(boot_w, (boot.to_env() + "\n").encode())
+        finally:
+            os.close(boot_w)  # without a line, the worker reports the failure and exits
     if listener is not None:
         listener.close()
 
