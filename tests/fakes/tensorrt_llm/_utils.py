@@ -5,6 +5,7 @@ rank that does not import tensorrt_llm leaves the others blocked in their import
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ._fake import env, mpi
@@ -12,7 +13,8 @@ from ._fake import env, mpi
 OMPI_COMM_TYPE_HOST = 9  # Open MPI's value; mpi4py exports only MPI_COMM_TYPE_SHARED
 
 _world = mpi.world()
-local_comm: Any = mpi.import_collective(env.collective_timeout_s())
+mpi.import_collective(env.collective_timeout_s())  # the real one: COMM_WORLD.Split_type
+local_comm: Any = None  # the fake makes no communicator; local rank/size from the launcher
 
 
 def mpi_comm() -> Any:
@@ -37,8 +39,12 @@ def global_mpi_size() -> int:
 
 
 def local_mpi_rank() -> int:
-    return _world.rank if local_comm is None else int(local_comm.Get_rank())
+    if _world.size == 1:
+        return 0
+    return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", _world.rank))
 
 
 def local_mpi_size() -> int:
-    return _world.size if local_comm is None else int(local_comm.Get_size())
+    if _world.size == 1:
+        return 1
+    return int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", _world.size))

@@ -76,18 +76,17 @@ def _wait(req: Any, timeout_s: float | None, what: str, why: str) -> Any:
         time.sleep(_POLL_S)
 
 
-def import_collective(timeout_s: float) -> Any:
-    """`tensorrt_llm._utils` at import: COMM_WORLD.Split_type, collective over every rank.
-    Returns the host-local communicator (None in a world of one)."""
+def import_collective(timeout_s: float) -> None:
+    """`tensorrt_llm._utils` at import: COMM_WORLD.Split_type, a collective over every rank.
+    The fake joins a barrier instead (it makes no communicator: Open MPI 5 allocates their
+    context ids with PMIx group operations, which a rank's supervisor and worker, sharing one
+    PMIx identity in this project, must not race)."""
     w = world()
     if w.size == 1:
-        return None
-    from mpi4py import MPI
-
+        return
     _wait(w.comm.Ibarrier(), timeout_s,
           "the import-time MPI collective of tensorrt_llm (_utils.py: COMM_WORLD.Split_type)",
           "every rank of the job must import tensorrt_llm")
-    return w.comm.Split_type(MPI.COMM_TYPE_SHARED)
 
 
 def agree(w: World, item: Any, timeout_s: float) -> list[Any]:
@@ -122,32 +121,32 @@ _watching = False
 
 
 class OwnedComm:
-    """A communicator split for the Executor and freed by its destructor, as TensorRT-LLM's
-    `MpiComm{split, freeComm=true}` is: freed after MPI_Finalize, the process aborts."""
+    """Stands for a communicator split for the Executor and freed by its destructor, as
+    TensorRT-LLM's `MpiComm{split, freeComm=true}` is: freed after MPI_Finalize, the process
+    aborts. No real communicator is made (see `import_collective`)."""
 
-    def __init__(self, comm: Any, what: str) -> None:
-        self.comm, self.what = comm, what
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.freed = False
         _LIVE.add(self)
         _watch_finalize()
 
     def __del__(self) -> None:
         mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is None or self.comm is None:
+        if mpi is None or self.freed:
             return
         if mpi.Is_finalized():
             _abort("MPI_Comm_free", f"the Executor's {self.what} communicator was destroyed")
-        self.comm.Free()
-        self.comm = None
+        self.freed = True
 
 
 def split_owned(w: World) -> list[OwnedComm]:
-    """The Executor's TP, CP and PP communicators (executorImpl.cpp `initialize`): split from
-    the session only when it has more than one rank. TP only here: color 0, key = rank."""
+    """The Executor's TP, CP and PP communicators (executorImpl.cpp `initialize`), split from
+    the session only when it has more than one rank."""
     if w.size == 1:
         return []
-    return [OwnedComm(w.comm.Split(0, w.rank), name) for name in ("tensor-parallel",
-                                                                   "context-parallel",
-                                                                   "pipeline-parallel")]
+    return [OwnedComm(name) for name in ("tensor-parallel", "context-parallel",
+                                         "pipeline-parallel")]
 
 
 def _watch_finalize() -> None:
@@ -165,7 +164,7 @@ def _watch_finalize() -> None:
 
 
 def _on_finalize(_comm: Any, _key: Any, _value: Any) -> None:
-    live = [c for c in list(_LIVE) if c.comm is not None]
+    live = [c for c in list(_LIVE) if not c.freed]
     if live:
         _abort("MPI_Comm_free", f"MPI_Finalize started while an Executor still holds its "
                f"{live[0].what} communicator (the Executor is still referenced: its destructor, "
