@@ -385,9 +385,11 @@ class TrtllmBackend(Backend):
         still alive afterwards (something outside this backend holds it)."""
         if self.adapter is not None:
             self.adapter.shutdown(cancel_wait_s=0.0)  # done by close(): drops its reference
-        self.executor = None
-        gc.collect()
+        self.executor = None  # the last reference: the Executor is destroyed here
         alive = self._executor_ref is not None and self._executor_ref() is not None
+        if alive:  # held by a reference cycle: collect it
+            gc.collect()
+            alive = self._executor_ref() is not None
         if alive:
             log.error("the TensorRT-LLM Executor is still referenced before MPI_Finalize; its "
                       "destructor would free MPI communicators after it")
