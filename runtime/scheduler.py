@@ -69,8 +69,9 @@ class SchedulerConfig:
 class SchedulerStats:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by unfinished sequences
     kv_blocks_total: int  # usable blocks (the null block excluded)
+    kv_blocks_cached: int  # prefix-cached blocks no sequence holds (free, reusable)
     preemptions_total: int
     steps_total: int
     tokens_last_step: int
@@ -291,6 +292,7 @@ class Scheduler:
             waiting=len(self._waiting),
             kv_blocks_used=self.block_manager.num_used,
             kv_blocks_total=self.block_manager.num_usable,
+            kv_blocks_cached=self.block_manager.num_cached_free,
             preemptions_total=self._preemptions,
             steps_total=self._step_id,
             tokens_last_step=self._tokens_last_step,
