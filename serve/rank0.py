@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +93,7 @@ class Rank0:
             self.backend = backend = self.startup()
         except GateFailure as e:
             self.state.readiness.set("failed", str(e))
-            print(f"error: {e}", file=sys.stderr)
+            self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
             self.http.stop(timeout=2)
             return 1

@@ -25,6 +25,7 @@ from serve.launch import LaunchConfig, parse
 from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
 
 log = logging.getLogger("serve")
+RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed on stderr)
 
 
 class Lifecycle:
@@ -49,6 +50,12 @@ class Lifecycle:
             log.error("the rank's supervisor died without a shutdown signal; exiting")
             self.exit_now(1)
 
+    def error(self, message: str) -> None:
+        """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
+        the worker's stderr (a pipe to mpirun) is gone and only the log file remains."""
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        logging.getLogger(RUN_LOG).error("%s", message)
+
     def exit_now(self, code: int) -> None:
         """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
         close_all()
@@ -71,6 +78,9 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
             return
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
+        run_log = logging.getLogger(RUN_LOG)
+        run_log.addHandler(handler)
+        run_log.propagate = False
 
 
 def _torch_threads(comm: Comm) -> None:
@@ -105,7 +115,7 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
         backend = st.run()
         comm.allgather("admitted")
     except GateFailure as e:
-        print(f"error: rank {comm.rank}: {e}", file=sys.stderr)
+        life.error(f"rank {comm.rank}: {e}")
         return 1
     rc = backend.follow(life.exit_now)
     if rc == 0:
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         _torch_threads(comm)
         rc = serve_rank0(cfg, comm, life) if rank == 0 else serve_follower(cfg, comm, life)
     except (ConnectionError, OSError) as e:
-        print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
+        life.error(f"rank {rank}: lost the other ranks ({e})")
     finally:
         close_all()
         _write_run_file(cfg.run_dir, rank, "exit", rc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -140,6 +141,9 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
         assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - killed))) != 0
         assert time.monotonic() - killed < 10
         assert srv.run_file(0, "exit") not in (None, 0), srv.logs()
+        # The dead rank's supervisor names the cause; mpirun forwards it to our stderr.
+        assert re.search(r"error: rank 1: its serving process \(pid \d+\) was killed by "
+                         r"SIGKILL", srv.stderr()), srv.logs()
         long.join(10)
         assert not long.is_alive(), "the client of the dead job hangs"
         assert long.error is not None or long.completion_tokens is None
