@@ -151,6 +151,28 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
         srv.close()
 
 
+def test_sigterm_during_start_up_ends_the_job_at_once_and_never_opens_admission(
+        engine_dir: Path, tmp_path: Path) -> None:
+    srv = launch(engine_dir, tmp_path, prefix=())  # our launcher owns mpirun (a container)
+    try:
+        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")  # the gates start now
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        ready: list[int | None] = []
+        while srv.proc.poll() is None and time.monotonic() - signalled < 10:
+            ready.append(srv.probe().ready)
+        assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - signalled))) == 1, srv.logs()
+        assert time.monotonic() - signalled < 10
+        assert 200 not in ready, ready
+        assert srv.wait_exit_codes(2, 5) == {0: 1, 1: 1}, srv.logs()
+        rank0 = (srv.run_dir / "rank0.log").read_text()
+        assert "shutdown requested before admission" in rank0, rank0[-2000:]
+        assert "admission open" not in rank0
+        assert "Traceback" not in srv.stderr()
+    finally:
+        srv.close()
+
+
 def test_an_engine_fault_answers_every_request_and_ends_the_job(
         engine_dir: Path, tmp_path: Path) -> None:
     srv = launch(engine_dir, tmp_path, env={FAULT_ENV: "30"})
