@@ -79,6 +79,7 @@ class Rank0:
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
         # Ready only once the gate is closed, so /health/ready never precedes the record.
         self.state.open_admission(executor)
+        self.life.serving.set()
         return backend
 
     def _peer_failed(self, why: str) -> None:

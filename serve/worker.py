@@ -7,6 +7,7 @@ admission and runs the engine loop on the main thread; other ranks execute plans
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ class Lifecycle:
     def __init__(self, run_dir: Path | None = None, rank: int = 0) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived
+        self.serving = threading.Event()  # admission opened: from now on a drain has work
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.drain.set())
         fd = os.environ.get(PARENT_FD_ENV)
@@ -49,18 +51,27 @@ class Lifecycle:
         if not self.drain.is_set():
             log.error("the rank's supervisor died without a shutdown signal; exiting")
             self.exit_now(1)
+        if not self.serving.is_set():
+            # Before admission there is nothing to drain: mpirun is ending the job (a rank
+            # died, or mpirun itself was signalled). Finishing the gate at hand first (a
+            # load reads the whole shard) would keep this rank alive for nothing.
+            self.error(f"rank {self.rank}: its supervisor is gone during start-up (mpirun "
+                       "is ending the job); exiting")
+            self.exit_now(1)
 
     def error(self, message: str) -> None:
         """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
         the worker's stderr (a pipe to mpirun) is gone and only the log file remains."""
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # a pipe to an mpirun that is gone
+            print(f"error: {message}", file=sys.stderr, flush=True)
         logging.getLogger(RUN_LOG).error("%s", message)
 
     def exit_now(self, code: int) -> None:
         """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
         close_all()
         _write_run_file(self.run_dir, self.rank, "exit", code)
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
         os._exit(code)
 
 
@@ -114,6 +125,7 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     try:
         backend = st.run()
         comm.allgather("admitted")
+        life.serving.set()
     except GateFailure as e:
         life.error(f"rank {comm.rank}: {e}")
         return 1
