@@ -27,9 +27,9 @@ from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
 from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure
+from serve.gates import GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
-from serve.warmup import PHASE_DONE, follow, warmup_shapes
+from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
 
 if TYPE_CHECKING:
     from serve.startup import Evidence
@@ -194,12 +194,19 @@ class TorchBackend(Backend):
             ev["driven_by"] = "rank 0"
             return
         send = self.comm.send_plan
-        if self.cfg.warmup == "auto":
-            t0 = time.perf_counter()
-            ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send)
-            ev["shapes_s"] = round(time.perf_counter() - t0, 3)
-        else:
-            ev["shapes"] = "skipped (--warmup none)"
+        try:
+            if self.cfg.warmup == "auto":
+                t0 = time.perf_counter()
+                ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send,
+                                             self.st.interrupted)
+                ev["shapes_s"] = round(time.perf_counter() - t0, 3)
+            else:
+                ev["shapes"] = "skipped (--warmup none)"
+            if self.st.interrupted():
+                raise Interrupted
+        except Interrupted:
+            send(StepPlan(PHASE_DONE))  # the other ranks stop following, then hear why
+            raise shutdown_requested("warmup") from None
         record = m.golden
         _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
                              forced=record["tokens"], send=send)
