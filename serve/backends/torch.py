@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
+TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
 FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"
 
@@ -180,7 +181,8 @@ class TorchBackend(Backend):
         # The package is the copy verified in gate 5, never the engine directory's file.
         step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
                                self.device)
-        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
+        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
+                                  token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
         self.runner.keepalive = shard
         pkg = self.files.dir / rank_package(self.rank)
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
