@@ -24,7 +24,7 @@ from runtime.engine_source import EngineSource, Pinned, StoreSource, open_source
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
-from serve.gates import GateFailure, GateLog
+from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve")
@@ -61,7 +61,7 @@ class Startup:
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
         err: GateFailure | None = None
         if self.interrupted():
-            err = GateFailure(name, "shutdown requested before admission", "nothing to do")
+            err = shutdown_requested(name)
         else:
             try:
                 with self.log.run(name) as evidence:

@@ -28,15 +28,16 @@ from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
 from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure
+from serve.gates import GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
-from serve.warmup import PHASE_DONE, follow, warmup_shapes
+from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
 
 if TYPE_CHECKING:
     from serve.startup import Evidence
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
+TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
 FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"
 
@@ -211,7 +212,8 @@ class TorchBackend(Backend):
         # The package is the copy verified in gate 5, never the engine directory's file.
         step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
                                self.device)
-        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
+        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
+                                  token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
         self.runner.keepalive = shard
         names = package_files(self.files.entries, self.rank) if m.backend == "aoti" else []
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
@@ -236,10 +238,17 @@ class TorchBackend(Backend):
         send, p = self.comm.send_plan, m.profile
         sweep = self.cfg.warmup == "full" or (self.cfg.warmup == "auto" and
                                                self.device.startswith("cuda"))
-        if sweep:
-            t0 = time.perf_counter()
-            ev["shapes"] = warmup_shapes(runner, p, self.num_blocks, send)
-            ev["shapes_s"] = round(time.perf_counter() - t0, 3)
+        try:
+            if sweep:
+                t0 = time.perf_counter()
+                ev["shapes"] = warmup_shapes(runner, p, self.num_blocks, send,
+                                             self.st.interrupted)
+                ev["shapes_s"] = round(time.perf_counter() - t0, 3)
+            if self.st.interrupted():
+                raise Interrupted
+        except Interrupted:
+            send(StepPlan(PHASE_DONE))  # the other ranks stop following, then hear why
+            raise shutdown_requested("warmup") from None
         record = m.golden
         t0 = time.perf_counter()
         batch = p.max_batch_size if self.cfg.warmup != "none" else 1
