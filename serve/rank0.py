@@ -58,7 +58,8 @@ class Rank0:
     def report(self) -> dict[str, Any]:
         m = self.st.manifest
         return {
-            "engine": engine_summary(m) if m else None,
+            # What --engine named (a tag, say) beside the engine id it resolved to.
+            "engine": {**engine_summary(m), "resolved_from": self.cfg.engine} if m else None,
             "gates": self.log.to_list(),
             "load": self.st.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
