@@ -45,7 +45,8 @@ def test_serve_from_store_then_from_cache(engine_dir: Path, reference: Reference
             assert ld["object"] == f"{store}/{engine_key(MODEL, m.engine_id)}/rank{ld['rank']}.safetensors"
             assert ld["floor"] == "store_read_gbps" and ld["floors"]["store_read_gbps"] > 0
         out = srv.call("POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT,
-                                                   "max_tokens": 8, "ignore_eos": True}).json()
+                                                   "max_tokens": 8, "ignore_eos": True,
+                                                   "temperature": 0}).json()
         assert out["choices"][0]["text"] == expected.text
         assert f"serving engine {MODEL}/{m.engine_id} from {store}/{MODEL}@prod" in srv.logs(20000)
     finally:
@@ -64,7 +65,8 @@ def test_serve_from_store_then_from_cache(engine_dir: Path, reference: Reference
         assert _gate(report, "resolve")["manifest_from"] == "cache"
         assert {ld["from"] for ld in report["load"]} == {"cache"}
         out = srv.call("POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT,
-                                                   "max_tokens": 8, "ignore_eos": True}).json()
+                                                   "max_tokens": 8, "ignore_eos": True,
+                                                   "temperature": 0}).json()
         assert out["choices"][0]["text"] == expected.text
     finally:
         srv.close()
