@@ -30,7 +30,8 @@ from contract.refs import (
     tag_key,
 )
 from pipeline.progress import Progress, format_bytes
-from runtime.engine_source import EngineCache, StoreSource
+from runtime.engine_cache import EngineCache
+from runtime.engine_source import StoreSource
 from runtime.objstore import ObjectStore
 
 

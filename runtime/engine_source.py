@@ -17,8 +17,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ from contract.refs import (
     parse_ref,
     tag_key,
 )
+from runtime.engine_cache import EngineCache
 from runtime.engine_files import EngineFiles
 
 if TYPE_CHECKING:  # the loader imports torch: the launcher only resolves, it loads nothing
@@ -61,64 +60,6 @@ def _mismatch(where: str) -> BuildError:
     return BuildError(f"{where} does not match the manifest's sha256 (corrupted or modified)",
                       "push the engine again from a verified build (`pipeline verify`, then "
                       "`pipeline push`)", exit_code=EXIT_FAILURE)
-
-
-class EngineCache:
-    """`<root>/<model>/<engine-id>/`: the layout of a store directory, so a complete cached
-    engine (manifest written) is also an engine directory (`pipeline verify`, `--engine`)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root).expanduser()
-
-    def dir(self, model: str, engine_id: str) -> Path:
-        return self.root / model / engine_id
-
-    def path(self, model: str, engine_id: str, name: str) -> Path:
-        return self.dir(model, engine_id) / name
-
-    def lookup(self, model: str, engine_id: str, entry: FileEntry) -> Path | None:
-        """The cached file when it is there with the manifest's size (hash checked by the
-        reader, as for any engine file)."""
-        p = self.path(model, engine_id, entry.path)
-        try:
-            return p if p.stat().st_size == entry.size else None
-        except OSError:
-            return None
-
-    def write(self, model: str, engine_id: str, name: str, data: Any) -> bool:
-        """Write verified bytes atomically (never a partial file under the final name);
-        best effort: a cache that cannot be written only costs the next start a fetch."""
-        final = self.path(model, engine_id, name)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data).cast("B"))
-            tmp.chmod(0o444)
-            os.replace(tmp, final)
-            return True
-        except OSError as e:
-            log.warning("cannot cache %s (%s); the next start fetches it again", final,
-                        e.strerror or e)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            return False
-
-    def manifest_text(self, model: str, engine_id: str) -> str | None:
-        try:
-            return self.path(model, engine_id, MANIFEST_NAME).read_text()
-        except (OSError, UnicodeDecodeError):
-            return None
-
-    def commit(self, manifest: Manifest, text: str) -> bool:
-        """Write the manifest once every file is cached with its size: the entry is then a
-        complete engine directory. Returns whether it is complete."""
-        m = manifest
-        if any(self.lookup(m.model_name, m.engine_id, f) is None for f in m.files):
-            return False
-        if self.manifest_text(m.model_name, m.engine_id) == text:
-            return True
-        return self.write(m.model_name, m.engine_id, MANIFEST_NAME, text.encode())
 
 
 def resolve_tag(store: Any, ref: EngineRef) -> TagRecord:

@@ -191,6 +191,14 @@ class ObjectStore:
             raise self.error(e, key, "PUT") from None
         return True
 
+    def delete(self, key: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self._store, key)
+        except Exception as e:
+            raise self.error(e, key, "DELETE") from None
+
     def list(self, prefix: str) -> list[tuple[str, int]]:
         import obstore
 

@@ -112,13 +112,11 @@ def test_corrupted_object_is_named(engine_dir: Path, s3_env: dict[str, str], tmp
 
 
 def test_missing_shard_is_named(engine_dir: Path, s3_env: dict[str, str], tmp_path: Path) -> None:
-    import obstore
-
     store_uri = "s3://engines/missing"
     m = read_manifest(engine_dir)
     store = _push_copy(engine_dir, store_uri, s3_env)
     key = engine_key(MODEL, m.engine_id, "rank0.safetensors")
-    obstore.delete(store._store, key)
+    store.delete(key)
     line = one_line_error(pipeline("pull", f"{store_uri}/{MODEL}/{m.engine_id}", "--cache",
                                    str(tmp_path / "c"), env=s3_env))
     assert f"{store_uri}/{key}" in line and "no such object" in line, line

@@ -86,3 +86,19 @@ def test_corrupted_shard_in_store_fails_the_start(engine_dir: Path, s3_env: dict
     err = srv.stderr()
     assert "Traceback" not in err, err
     assert f"{store_uri}/{key}" in err and "sha256" in err, err
+
+
+def test_missing_shard_in_store_fails_the_start(engine_dir: Path, s3_env: dict[str, str],
+                                                tmp_path: Path) -> None:
+    """Rank 1's shard deleted after the push: rank 1 stops at its load gate naming the
+    object, and the whole job exits (rank 0 reads its own shard, present, first)."""
+    store_uri = "s3://engines/serve-missing"
+    m = read_manifest(engine_dir)
+    assert pipeline("push", str(engine_dir), store_uri, "--tag", "t", env=s3_env).returncode == 0
+    key = engine_key(MODEL, m.engine_id, "rank1.safetensors")
+    ObjectStore(store_uri).delete(key)
+    srv, rc = run_to_exit(f"{store_uri}/{MODEL}@t", tmp_path, 2, timeout=180, env=s3_env)
+    assert rc != 0
+    err = srv.stderr()
+    assert "Traceback" not in err, err
+    assert f"{store_uri}/{key}: no such object" in err, err
