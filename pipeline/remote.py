@@ -32,7 +32,7 @@ from contract.refs import (
 from pipeline.progress import Progress, format_bytes
 from runtime.engine_cache import EngineCache
 from runtime.engine_source import StoreSource
-from runtime.objstore import ObjectStore
+from runtime.objstore import ObjectStore, read_into_hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +104,6 @@ class PullResult:
 
 
 def pull(ref_text: str, cache: Path, progress: Progress | None = None) -> PullResult:
-    from runtime.loader import read_object_hashed
-
     progress = progress or Progress.silent()
     try:
         ref = parse_ref(ref_text)
@@ -126,13 +124,14 @@ def pull(ref_text: str, cache: Path, progress: Progress | None = None) -> PullRe
                 st.advance(f.size)
                 continue
             key = engine_key(model, eid, f.path)
-            buf, digest, _ = read_object_hashed(src.store, key, f.size)
+            buf = bytearray(f.size)
+            digest, _ = read_into_hashed(src.store, key, memoryview(buf))
             if digest != f.sha256:
                 raise BuildError(f"{src.store.url(key)} does not match the manifest's sha256 "
                                  "(corrupted or modified in the store)",
                                  "push the engine again from a verified build",
                                  exit_code=EXIT_FAILURE)
-            if not cache_.write(model, eid, f.path, buf.numpy()):
+            if not cache_.write(model, eid, f.path, buf):
                 raise BuildError(f"cannot write {cache_.path(model, eid, f.path)}",
                                  "pass --cache with a directory you can write to",
                                  exit_code=EXIT_FAILURE)

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -83,44 +83,11 @@ def read_object_hashed(store: ObjectStore, key: str, size: int, pin: bool = Fals
                        ) -> tuple[torch.Tensor, str, float]:
     """An object of `size` bytes in one uint8 host tensor, read as parallel ranged GETs,
     hashed in order while the parts arrive; its sha256 and the seconds it took."""
+    from runtime.objstore import read_into_hashed
+
     buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-    view = memoryview(buf.numpy()).cast("B")
-    h = hashlib.sha256()
-    landed: dict[int, int] = {}  # offset -> length of the parts in, not hashed yet
-    cond = threading.Condition()
-    failed: list[BaseException] = []
-
-    def sink(offset: int, data: Any) -> None:
-        n = len(memoryview(data))
-        view[offset : offset + n] = memoryview(data).cast("B")
-        with cond:
-            landed[offset] = n
-            cond.notify()
-
-    def hasher() -> None:
-        pos = 0
-        while pos < size:
-            with cond:
-                while pos not in landed and not failed:
-                    cond.wait()
-                if failed:
-                    return
-                n = landed.pop(pos)
-            h.update(view[pos : pos + n])  # releases the GIL
-            pos += n
-
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=hasher, name="store-hash", daemon=True)
-    thread.start()
-    try:
-        store.read_parts(key, size, sink)
-    except BaseException as e:
-        with cond:
-            failed.append(e)
-            cond.notify()
-        raise
-    thread.join()
-    return buf, h.hexdigest(), time.perf_counter() - t0
+    digest, secs = read_into_hashed(store, key, memoryview(buf.numpy()).cast("B"))
+    return buf, digest, secs
 
 
 def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
