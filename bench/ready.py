@@ -83,7 +83,7 @@ def one_run(engine: str, extra: list[str], steady: int) -> dict[str, Any]:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
-    return {"ready_s": ready, "gates": report["gates"], "first_s": first,
+    return {"ready_s": ready, "gates": report["gates"], "load": report["load"], "first_s": first,
             "steady_s": statistics.median(rest), "load_avg": (load0, os.getloadavg()[0])}
 
 
@@ -97,6 +97,12 @@ def table(run: dict[str, Any]) -> str:
         brief = ", ".join(f"{k}={v}" for k, v in list(ev.items())[:4])
         lines.append(f"  {g['name']:<18}{g['start'] or 0:>7.2f}{g['seconds'] or 0:>7.2f}  "
                      f"{brief[:90]}")
+    for ld in run["load"]:
+        fl = ld.get("floors", {})
+        lines.append(f"    load rank {ld.get('rank')}: {ld.get('read_s')} s from "
+                     f"{ld.get('from', 'directory')}, {ld.get('gbps')} GB/s = {ld.get('vs_floor')}"
+                     f" of {ld.get('floor')} ({fl.get(ld.get('floor'))}); host copy "
+                     f"{fl.get('host_copy_gbps')} GB/s")
     return "\n".join(lines)
 
 
