@@ -135,7 +135,12 @@ class Rank0:
             self.log.amend("resolve", **found)
 
     def startup(self) -> Backend:
-        backend = self.st.run(on_resolved=self._tokenizer)
+        self.st.run(on_resolved=self._tokenizer, until="kernels")
+        # Liveness before the warmup: the HTTP layer came up on its thread while the gates
+        # ran (it is needed for admission anyway), so a probe or a stop signal always finds
+        # the job still starting, never past a warmup that raced it.
+        _ = self.http
+        backend = self.st.run_gate("warmup")
         self._tokenizer_ready()
         with self.log.run("admission") as ev:
             executor = backend.open(ev)

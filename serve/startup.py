@@ -90,6 +90,13 @@ class Startup:
             self.gate(name, getattr(backend, name))
         return backend
 
+    def run_gate(self, name: str) -> Backend:
+        """One more backend gate after `run(until=...)` stopped short of it."""
+        backend = self.backend
+        assert backend is not None
+        self.gate(name, getattr(backend, name))
+        return backend
+
     def _pin(self) -> None:
         """Before gate 1, on every rank: rank 0 turns a store reference (a tag) into an
         engine id and reads its manifest, and every rank takes rank 0's answer, so all of

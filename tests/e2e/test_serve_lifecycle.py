@@ -156,9 +156,12 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
 
 def test_sigterm_during_start_up_ends_the_job_at_once_and_never_opens_admission(
         engine_dir: Path, tmp_path: Path) -> None:
-    srv = launch(engine_dir, tmp_path, prefix=())  # our launcher owns mpirun (a container)
+    # Our launcher owns mpirun (a container). Liveness comes up before the warmup gate
+    # (serve/rank0.py), and the full warmup sweeps the profile's shapes, checking for a stop
+    # between two of them: the signal lands in start-up, not after a warmup that raced it.
+    srv = launch(engine_dir, tmp_path, prefix=(), args=("--warmup", "full"))
     try:
-        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")  # the gates start now
+        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")
         srv.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         ready: list[int | None] = []
