@@ -20,9 +20,12 @@ if TYPE_CHECKING:
     from runtime.objstore import ObjectStore
 
 _PROBE = 16 << 20  # enough for a stable figure; each probe costs start-up time
+# The storage probe bypasses the page cache, so it waits for the disk itself: on a busy
+# host 16 MiB took 1.1 s of the load gate (0.015 GB/s, bench/ready.py); 4 MiB bounds that.
+_STORAGE_PROBE = 4 << 20
 
 
-def storage_read_gbps(path: Path, nbytes: int = _PROBE) -> tuple[float, str]:
+def storage_read_gbps(path: Path, nbytes: int = _STORAGE_PROBE) -> tuple[float, str]:
     """Sequential read of the first `nbytes` of `path`, bypassing the page cache when the
     filesystem allows O_DIRECT (then it neither benefits from nor warms the cache)."""
     size = min(nbytes, path.stat().st_size) // 4096 * 4096
