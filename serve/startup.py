@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,10 @@ from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve")
+# Fault injection for lifecycle tests: "GATE:SECONDS" holds every rank at the start of that
+# gate (a stop signal ends the hold), so a signal can be sent while start-up is certainly
+# in progress however fast the gates are.
+GATE_DELAY_ENV = "AOTLLM_INJECT_GATE_DELAY"
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
          "warmup")
@@ -58,8 +64,17 @@ class Startup:
     def rank(self) -> int:
         return self.comm.rank
 
+    def _injected_delay(self, name: str) -> None:
+        gate, _, secs = os.environ.get(GATE_DELAY_ENV, "").partition(":")
+        if gate != name:
+            return
+        t_end = time.monotonic() + float(secs or 0)
+        while time.monotonic() < t_end and not self.interrupted():
+            time.sleep(0.02)
+
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
         err: GateFailure | None = None
+        self._injected_delay(name)
         if self.interrupted():
             err = shutdown_requested(name)
         else:
