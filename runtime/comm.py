@@ -12,14 +12,25 @@ SIGKILLs its ranks 0.5 s after forwarding SIGTERM (PRRTE's surekill, hard-coded)
 serving processes are detached from it (see serve/supervisor.py) to be able to drain; and
 a blocking socket read costs no CPU while idle, where MPI receives spin.
 
+Across hosts (runtime/netif.py chooses the addresses): rank 0's plan port and the rendezvous
+store listen on rank 0's comm address only (loopback when every rank is on one host), gloo
+binds each rank's comm interface (GLOO_SOCKET_IFNAME), and each rank knows every rank's host.
+
 A dead peer closes its socket: rank 0 sees EOF on a worker's connection and a worker on
-rank 0's, so the failure of any rank brings the job down within a second.
+rank 0's, so the failure of any rank brings the job down within a second. A host that drops
+off the network closes nothing: TCP keepalive probes and a user timeout on every control
+connection turn its silence into an error within PEER_TIMEOUT_S, and `watch` (a thread on
+every rank, from the connection on) ends the job naming the rank and its host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -35,6 +46,15 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from runtime.netif import (
+    InterfaceError,
+    asked_ifaces,
+    host_key,
+    iface_of,
+    listen_candidates,
+    order_for_peer,
+    this_host,
+)
 from runtime.plan import StepPlan
 from runtime.wire import (
     dumps,
@@ -50,6 +70,32 @@ log = logging.getLogger("runtime.comm")
 _RANK = struct.Struct("<I")
 NONCE = 32
 HANDSHAKE_TIMEOUT_S = 5.0
+CONNECT_TRY_S = 5.0  # per address of rank 0 a peer tries
+PEER_TIMEOUT_ENV = "AOTLLM_PEER_TIMEOUT_S"
+# A peer that stops answering (its host powered off, a cable or a route gone) is declared
+# dead after this many seconds without an acknowledgement or a keepalive reply.
+PEER_TIMEOUT_S = float(os.environ.get(PEER_TIMEOUT_ENV, "5"))
+# Gloo's per-operation timeout (and the store's): a collective waits this long for a peer.
+PG_TIMEOUT_S = 120.0
+DRAIN_REQUEST = {"drain": True}  # a rank > 0 asks rank 0 to drain the job (after admission)
+
+
+@dataclass(frozen=True, slots=True)
+class RankHost:
+    """Where one rank runs and the interface its side of the job is bound to."""
+
+    hostname: str
+    key: str  # equal for ranks of one host (runtime/netif.py)
+    iface: str
+    addr: str
+    why: str = ""
+
+    def label(self) -> str:
+        return self.hostname if self.addr.startswith("127.") else f"{self.hostname} ({self.addr})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"hostname": self.hostname, "iface": self.iface, "addr": self.addr,
+                "chosen_by": self.why}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,47 +104,130 @@ class Bootstrap:
     size: int
     local_rank: int
     local_size: int
-    store_addr: str  # tcp://host:port for the torch process group's rendezvous
+    store_addr: str  # unused: rank 0 makes the store on its comm address once connected
     plan_host: str
     plan_port: int
     secret: str = ""  # hex; made by rank 0 for this job, known only to its ranks
+    plan_addrs: tuple[tuple[str, int], ...] = ()  # every address rank 0 listens on
+    comm_iface: str = ""  # the interface asked for (--comm-iface); "" chooses by route
 
     ENV = "AOTLLM_BOOTSTRAP"
 
     def to_env(self) -> str:
-        return ",".join(str(v) for v in (self.rank, self.size, self.local_rank, self.local_size,
-                                         self.store_addr, self.plan_host, self.plan_port,
-                                         self.secret))
+        return json.dumps([self.rank, self.size, self.local_rank, self.local_size,
+                           self.store_addr, self.plan_host, self.plan_port, self.secret,
+                           [list(a) for a in self.plan_addrs], self.comm_iface])
 
     @classmethod
     def from_env(cls, value: str) -> Bootstrap:
-        r, s, lr, ls, store, host, port, secret = value.split(",")
-        return cls(int(r), int(s), int(lr), int(ls), store, host, int(port), secret)
+        r, s, lr, ls, store, host, port, secret, addrs, iface = json.loads(value)
+        return cls(int(r), int(s), int(lr), int(ls), store, host, int(port), secret,
+                   tuple((str(a), int(p)) for a, p in addrs), iface)
+
+    def leader_addrs(self) -> list[tuple[str, int]]:
+        return list(self.plan_addrs) or [(self.plan_host, self.plan_port)]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+@dataclass
+class Listeners:
+    """Rank 0's listening plan sockets (one per candidate address), bound at the bootstrap."""
+
+    plans: list[socket.socket]
+
+    def fds(self) -> list[int]:
+        return [s.fileno() for s in self.plans]
+
+    def close(self) -> None:
+        for s in self.plans:
+            s.close()
 
 
-def mpi_bootstrap(host: str = "127.0.0.1") -> tuple[Bootstrap, socket.socket | None]:
-    """Rank discovery over MPI; rank 0 also returns its listening plan socket."""
+class PeerLost(ConnectionError):
+    """A peer's control connection failed; the message names the rank and its host."""
+
+
+RENDEZVOUS_ENV = "AOTLLM_RENDEZVOUS"  # "mpi" forces MPI collectives for the bootstrap
+LOOKUP_TIMEOUT_S = 120.0
+
+
+def _one_host(world: Any) -> bool:
+    """Whether mpirun placed every rank on one node (Open MPI says so in the environment)."""
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if local is not None:
+        return int(local) == world.Get_size()
+    return len(set(world.allgather(host_key()))) == 1
+
+
+def _rendezvous(world: Any, info: dict[str, Any] | None, one_host: bool) -> dict[str, Any]:
+    """Rank 0's `info` on every rank. One host: an MPI broadcast. Several hosts: through
+    the MPI runtime's name service (MPI_Publish_name/Lookup_name, PMIx under Open MPI 5),
+    which travels between mpirun's daemons and needs no MPI point-to-point traffic between
+    the ranks, so no assumption about the MPI library's own choice of interfaces (set
+    AOTLLM_RENDEZVOUS=mpi for a broadcast on an MPI without a name service)."""
+    from mpi4py import MPI
+
+    if one_host or os.environ.get(RENDEZVOUS_ENV) == "mpi":
+        return world.bcast(info, root=0)
+    job = os.environ.get("PMIX_NAMESPACE", "job")
+    service = f"aotllm-bootstrap-{job}"
+    if world.Get_rank() == 0:
+        MPI.Publish_name(service, json.dumps(info))
+        return info  # type: ignore[return-value]
+    deadline = time.monotonic() + LOOKUP_TIMEOUT_S
+    while True:
+        try:
+            return json.loads(MPI.Lookup_name(service))
+        except MPI.Exception:
+            if time.monotonic() > deadline:
+                raise PeerLost(f"rank 0 published no address within {LOOKUP_TIMEOUT_S:.0f} s "
+                               "(MPI_Lookup_name)") from None
+            time.sleep(0.05)
+
+
+def mpi_bootstrap(comm_iface: str | None = None) -> tuple[Bootstrap, Listeners | None]:
+    """Rank discovery over MPI: rank 0 listens on its candidate addresses (runtime/netif.py)
+    and hands them, with a fresh secret, to every rank; the ranks' connections then decide
+    which interfaces the job uses (Comm). Raises InterfaceError on every rank when rank 0
+    has no address to offer (e.g. --comm-iface names no interface of its host)."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    listener = None
-    addrs = None
+    one_host = _one_host(world)
+    listeners = None
+    info: dict[str, Any] | None = None
     if rank == 0:
-        listener = socket.create_server((host, 0), backlog=max(size, 8))
-        addrs = (f"tcp://{host}:{_free_port(host)}", host, listener.getsockname()[1],
-                 secrets.token_hex(32))
-    store, plan_host, plan_port, secret = world.bcast(addrs, root=0)
+        try:
+            cands = listen_candidates(comm_iface, one_host)
+            plans = [socket.create_server((i.addr, 0), backlog=max(size, 8)) for i in cands]
+            listeners = Listeners(plans)
+            info = {"secret": secrets.token_hex(32),
+                    "addrs": [[i.addr, p.getsockname()[1]] for i, p in zip(cands, plans)]}
+        except (InterfaceError, OSError) as e:
+            info = {"error": str(e)}
+    info = _rendezvous(world, info, one_host)
+    if "error" in info:
+        if listeners is not None:
+            listeners.close()
+        raise InterfaceError(f"rank 0: {info['error']}")
+    addrs = tuple((str(a), int(p)) for a, p in info["addrs"])
     local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank))
     local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size))
-    boot = Bootstrap(rank, size, local_rank, local_size, store, plan_host, plan_port, secret)
-    return boot, listener
+    boot = Bootstrap(rank, size, local_rank, local_size, "", addrs[0][0], addrs[0][1],
+                     info["secret"], addrs, comm_iface or "")
+    return boot, listeners
+
+
+def keepalive(sock: socket.socket, timeout_s: float = PEER_TIMEOUT_S) -> None:
+    """Make a silent peer an error within about `timeout_s`: keepalive probes every second
+    once idle for a second, and (Linux) a user timeout for unacknowledged data, which also
+    bounds the probes."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1),
+                       ("TCP_KEEPCNT", max(1, int(timeout_s))),
+                       ("TCP_USER_TIMEOUT", int(timeout_s * 1000))):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 def _mac(secret: bytes, role: bytes, nonce: bytes, rank: int) -> bytes:
@@ -135,24 +264,56 @@ def _connect_leader(sock: socket.socket, secret: bytes, rank: int, timeout_s: fl
 class Comm:
     """One rank's end of the control plane. Size 1 needs no sockets at all."""
 
-    def __init__(self, boot: Bootstrap | None = None, listener: socket.socket | None = None,
+    def __init__(self, boot: Bootstrap | None = None,
+                 listeners: Listeners | socket.socket | None = None,
                  connect_timeout_s: float = 120.0) -> None:
         self.boot = boot or Bootstrap(0, 1, 0, 1, "", "", 0)
         self.rank, self.size = self.boot.rank, self.boot.size
+        if isinstance(listeners, socket.socket):
+            listeners = Listeners([listeners])
         self._peers: list[socket.socket] = []  # rank 0: index r-1 is rank r
         self._leader: socket.socket | None = None  # ranks > 0
+        self._store_listener: socket.socket | None = None
+        self.store_addr = ""
+        self._hosts: tuple[RankHost, ...] = ()
+        self._ending = threading.Event()  # the job ends by agreement: disconnects expected
+        self._reading = False  # rank 0 after admission: peers may send drain requests
+        self._wake: tuple[int, int] | None = None
         if self.size == 1:
             return
         secret = bytes.fromhex(self.boot.secret)
         if len(secret) < 16:
             raise ValueError("the bootstrap carries no job secret; ranks cannot authenticate")
         if self.rank == 0:
-            assert listener is not None, "rank 0 needs the listening plan socket"
-            deadline = time.monotonic() + connect_timeout_s
-            peers: dict[int, socket.socket] = {}
-            while len(peers) < self.size - 1:
-                listener.settimeout(max(0.01, deadline - time.monotonic()))
-                conn, addr = listener.accept()  # socket.timeout (an OSError) past the deadline
+            assert listeners is not None, "rank 0 needs the listening plan socket"
+            used = self._accept_all(listeners, secret, connect_timeout_s)
+            # The address most peers reached is this rank's comm address.
+            addr = max(set(used), key=used.count)
+            why = (f"reached by the other rank(s) at {addr}" if not self.boot.comm_iface
+                   else f"--comm-iface {self.boot.comm_iface}")
+        else:
+            self._leader = self._connect(secret, connect_timeout_s)
+            addr = self._leader.getsockname()[0]
+            peer = self._leader.getpeername()[0]
+            why = (f"the route to rank 0 at {peer}" if not self.boot.comm_iface
+                   else f"--comm-iface {self.boot.comm_iface}")
+        self._exchange_hosts(addr, why)
+
+    def _accept_all(self, listeners: Listeners, secret: bytes, timeout_s: float) -> list[str]:
+        """Rank 0: every peer, authenticated, from any of the listening addresses; the local
+        address each connection arrived at."""
+        deadline = time.monotonic() + timeout_s
+        peers: dict[int, socket.socket] = {}
+        used: list[str] = []
+        while len(peers) < self.size - 1:
+            ready, _, _ = select.select(listeners.plans, [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                missing = [r for r in range(1, self.size) if r not in peers]
+                raise PeerLost(f"rank(s) {', '.join(map(str, missing))} did not connect within "
+                               f"{timeout_s:.0f} s")
+            for listener in ready:
+                conn, addr = listener.accept()
                 try:
                     rank = _accept_peer(conn, secret, self.size)
                     if rank in peers:
@@ -162,22 +323,60 @@ class Comm:
                     conn.close()
                     continue
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keepalive(conn)
                 peers[rank] = conn
-            listener.close()
-            self._peers = [peers[r] for r in range(1, self.size)]
-        else:
-            sock = socket.create_connection((self.boot.plan_host, self.boot.plan_port), connect_timeout_s)
-            _connect_leader(sock, secret, self.rank, connect_timeout_s)
+                used.append(conn.getsockname()[0])
+        listeners.close()
+        self._peers = [peers[r] for r in range(1, self.size)]
+        return used
+
+    def _connect(self, secret: bytes, timeout_s: float) -> socket.socket:
+        """A peer: rank 0's addresses in route order (runtime/netif.py), the first that
+        answers; from the interface asked for, if one was."""
+        asked = asked_ifaces(self.boot.comm_iface or None)
+        source = (asked[0].addr, 0) if asked else None
+        tried: list[str] = []
+        for addr, port in order_for_peer(self.boot.leader_addrs(), list(this_host().ifaces)):
+            try:
+                sock = socket.create_connection((addr, port), min(timeout_s, CONNECT_TRY_S),
+                                                source_address=source)
+            except OSError as e:
+                tried.append(f"{addr}:{port} ({e.strerror or e})")
+                continue
+            _connect_leader(sock, secret, self.rank, timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._leader = sock
+            keepalive(sock)
+            return sock
+        raise PeerLost(f"cannot reach rank 0 at any of its addresses: {'; '.join(tried)}")
+
+    def _exchange_hosts(self, addr: str, why: str) -> None:
+        """Every rank's host and comm address, in rank order, on every rank; rank 0 also
+        opens the rendezvous store on its comm address and says where it is."""
+        me = this_host()
+        mine = {"hostname": me.hostname, "key": me.key, "addr": addr,
+                "iface": iface_of(addr, list(me.ifaces)), "why": why}
+        if self.rank == 0:
+            items = [mine, *(self._recv_from(r, p) for r, p in enumerate(self._peers, start=1))]
+            self._store_listener = socket.create_server((addr, 0), backlog=max(self.size, 64))
+            self.store_addr = f"{addr}:{self._store_listener.getsockname()[1]}"
+            frame = dumps({"hosts": items, "store": self.store_addr})
+            for p in self._peers:
+                send_frame(p, frame)
+        else:
+            assert self._leader is not None
+            send_frame(self._leader, dumps(mine))
+            reply = self._recv_from(0, self._leader)
+            items, self.store_addr = reply["hosts"], reply["store"]
+        self._hosts = tuple(RankHost(h["hostname"], h["key"], h["iface"], h["addr"], h["why"])
+                            for h in items)
 
     @classmethod
     def from_mpi(cls) -> Comm:
         """For a process mpirun started directly (build-time golden run, tests)."""
         if not any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
             return cls()
-        boot, listener = mpi_bootstrap()
-        return cls(boot, listener)
+        boot, listeners = mpi_bootstrap()
+        return cls(boot, listeners)
 
     @property
     def local_rank(self) -> int:
@@ -187,52 +386,184 @@ class Comm:
     def local_size(self) -> int:
         return self.boot.local_size
 
+    # ---- topology ----------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> tuple[RankHost, ...]:
+        return self._hosts
+
+    def host_of(self, rank: int) -> RankHost | None:
+        return self._hosts[rank] if rank < len(self._hosts) else None
+
+    def _who(self, rank: int) -> str:
+        h = self.host_of(rank)
+        return f"rank {rank} on {h.label()}" if h is not None else f"rank {rank}"
+
+    def host_label(self, rank: int) -> str:
+        h = self.host_of(rank)
+        return h.label() if h is not None else socket.gethostname()
+
+    @property
+    def num_hosts(self) -> int:
+        return len({h.key for h in self._hosts}) or 1
+
+    def topology(self) -> dict[str, Any]:
+        """For reports: the hosts, the ranks on each and the interface each rank binds."""
+        by_key: dict[str, dict[str, Any]] = {}
+        for r, h in enumerate(self._hosts):
+            by_key.setdefault(h.key, {"host": h.hostname, "ranks": []})["ranks"].append(
+                {"rank": r, **h.to_dict()})
+        return {"hosts": len(by_key) or 1, "by_host": list(by_key.values())}
+
+    # ---- the control plane -------------------------------------------------------------
+
+    def _recv_from(self, rank: int, sock: socket.socket) -> Any:
+        try:
+            return loads(recv_frame(sock))
+        except (OSError, ConnectionError) as e:
+            raise PeerLost(f"{self._who(rank)}: {_describe(e, sock)}") from None
+
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (JSON data: tuples come back as lists), in rank order."""
         if self.size == 1:
             return [loads(dumps(obj))]  # the same JSON round trip as with peers
         if self.rank == 0:
-            items = [loads(dumps(obj)), *(loads(recv_frame(p)) for p in self._peers)]
+            items = [loads(dumps(obj)),
+                     *(self._recv_from(r, p) for r, p in enumerate(self._peers, start=1))]
             frame = dumps(items)
             for p in self._peers:
                 send_frame(p, frame)
             return items
         assert self._leader is not None
         send_frame(self._leader, dumps(obj))
-        return loads(recv_frame(self._leader))
+        return self._recv_from(0, self._leader)
 
     def init_process_group(self, backend: str) -> None:
-        """The torch world group (default group, name "0", as compiled into engines)."""
+        """The torch world group (default group, name "0", as compiled into engines), bound
+        to this rank's comm interface; the store listens on rank 0's comm address only."""
         if self.size == 1 or dist.is_initialized():
             return
-        dist.init_process_group(backend, init_method=self.boot.store_addr, rank=self.rank,
-                                world_size=self.size)
+        me = self.host_of(self.rank)
+        if me is not None:
+            # gloo binds the interface named here (torch reads it when the group is made);
+            # a user's own GLOO_SOCKET_IFNAME wins (it may list several).
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", me.iface)
+            if self.num_hosts > 1:
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", me.iface)
+        host, _, port = self.store_addr.rpartition(":")
+        timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+        if self.rank == 0 and self._store_listener is not None:
+            store = dist.TCPStore(host, int(port), self.size, True, timeout=timeout,
+                                  wait_for_workers=False,
+                                  master_listen_fd=self._store_listener.fileno())
+        else:
+            store = dist.TCPStore(host, int(port), self.size, self.rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size,
+                                timeout=timeout)
+        self._store = store  # the process group keeps a prefixed view; keep the root alive
 
     def send_plan(self, plan: StepPlan) -> None:
         if self.size == 1:
             return
+        if plan.shutdown:
+            self._ending.set()
         data = plan_to_wire(plan)
         for p in self._peers:
             send_frame(p, data)
 
     def recv_plan(self) -> StepPlan:
         assert self._leader is not None
-        return plan_from_wire(recv_frame(self._leader))
+        try:
+            plan = plan_from_wire(recv_frame(self._leader))
+        except (OSError, ConnectionError) as e:
+            raise PeerLost(f"{self._who(0)}: {_describe(e, self._leader)}") from None
+        if plan.shutdown:
+            self._ending.set()
+        return plan
+
+    def expect_end(self) -> None:
+        """The job is ending by agreement (a gate failed everywhere, the drain is over):
+        peers leaving from now on are not failures."""
+        self._ending.set()
+        self._poke()
+
+    def request_drain(self) -> None:
+        """Rank > 0 after admission: ask rank 0 to drain the job (this host is stopping)."""
+        if self._leader is not None and not self._ending.is_set():
+            with contextlib.suppress(OSError):
+                send_frame(self._leader, dumps(DRAIN_REQUEST))
+
+    def accept_drain_requests(self) -> None:
+        """Rank 0 after admission (no frame comes from a peer any more but a drain request):
+        `watch` reads them from now on."""
+        self._reading = True
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake[1], b"x")
+
+    def watch(self, on_failure: Callable[[str], None],
+              on_drain_request: Callable[[int], None] | None = None) -> None:
+        """A thread that reports the first peer connection to fail (the peer died, closed,
+        or its host stopped answering for PEER_TIMEOUT_S), naming the rank and its host;
+        from the start, so a rank stuck in a gate or a collective learns it too. Nothing is
+        read from the sockets until `accept_drain_requests` (the main thread reads them)."""
+        if self.size == 1:
+            return
+        socks = ({p.fileno(): (r, p) for r, p in enumerate(self._peers, start=1)}
+                 if self.rank == 0 else {self._leader.fileno(): (0, self._leader)}  # type: ignore[union-attr]
+                 )
+        self._wake = os.pipe()
+        fail_mask = select.POLLERR | select.POLLHUP | select.POLLRDHUP | select.POLLNVAL
+
+        def register(poller: select.poll) -> None:
+            mask = fail_mask | (select.POLLIN if self._reading else 0)
+            for fd in socks:
+                poller.register(fd, mask)
+
+        def run() -> None:
+            poller = select.poll()
+            assert self._wake is not None
+            poller.register(self._wake[0], select.POLLIN)
+            register(poller)
+            while True:
+                for fd, ev in poller.poll():
+                    if self._ending.is_set():
+                        return
+                    if fd == self._wake[0]:
+                        os.read(fd, 64)
+                        register(poller)  # modify: the reading mode may have changed
+                        continue
+                    rank, sock = socks[fd]
+                    why = None
+                    if ev & fail_mask:
+                        why = _describe(None, sock)
+                    elif self._reading:
+                        try:
+                            msg = loads(recv_frame(sock))
+                        except (OSError, ConnectionError, ValueError) as e:
+                            why = _describe(e, sock)
+                        else:
+                            if msg == DRAIN_REQUEST and on_drain_request is not None:
+                                on_drain_request(rank)
+                            continue
+                    if why is None:
+                        continue
+                    # A clean end races its own disconnects: give it a moment to be seen.
+                    if self._ending.wait(1.0):
+                        return
+                    on_failure(f"{self._who(rank)}: {why}")
+                    return
+
+        threading.Thread(target=run, name="peer-watch", daemon=True).start()
 
     def watch_peers(self, on_failure: Callable[[str], None]) -> None:
-        """Rank 0, after start-up: a thread that reports the first worker to disconnect.
-
-        Workers never send after start-up, so a readable socket means EOF: a dead rank.
-        """
-        if self.rank != 0 or self.size == 1:
-            return
-
-        def watch() -> None:
-            socks = {p.fileno(): r for r, p in enumerate(self._peers, start=1)}
-            readable, _, _ = select.select(list(socks), [], [])
-            on_failure(f"rank {socks[readable[0]]} disconnected (the process died or failed)")
-
-        threading.Thread(target=watch, name="peer-watch", daemon=True).start()
+        """Rank 0, after start-up: a thread that reports the first worker to disconnect."""
+        if self.rank == 0:
+            self.watch(on_failure)
 
     def close(self) -> None:
         """Close the sockets and destroy the process group, which joins its worker threads.
@@ -241,12 +572,29 @@ class Comm:
         interpreter finalizes, and the process aborts at exit (pthread_exit inside
         PyEval_AcquireThread: about one exit in five after collectives, measured).
         """
-        for s in (*self._peers, self._leader):
+        self._ending.set()
+        self._poke()
+        for s in (*self._peers, self._leader, self._store_listener):
             if s is not None:
                 s.close()
-        self._peers, self._leader = [], None
+        self._peers, self._leader, self._store_listener = [], None, None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _describe(err: BaseException | None, sock: socket.socket) -> str:
+    """Why a control connection failed, in words a person can act on."""
+    code = 0
+    with contextlib.suppress(OSError):
+        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if isinstance(err, OSError) and err.errno:
+        code = code or err.errno
+    if code in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+        return (f"stopped answering ({os.strerror(code)}; no reply within {PEER_TIMEOUT_S:.0f} s: "
+                "its host is down or the network between the hosts is cut)")
+    if code:
+        return f"connection failed ({os.strerror(code)})"
+    return "disconnected (the process died or failed)"
 
 
 def finish(code: int, comm: Comm | None = None) -> NoReturn:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +41,7 @@ class Rank0:
             "load": self.st.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
             "world_size": self.comm.size,
+            "topology": self.comm.topology(),
             "threads": self.threads,
             "phase": self.state.readiness.phase,
             "pid": os.getpid(),
@@ -76,7 +76,11 @@ class Rank0:
         with self.log.run("admission") as ev:
             executor = backend.open(ev)
             self.comm.allgather("admitted")
-            self.comm.watch_peers(self._peer_failed)
+            # From now on a failed peer fails the requests in flight, and a rank > 0 whose
+            # host is stopping may ask for a drain (the peer watch reads the request).
+            self.life.on_peer_failure = self._peer_failed
+            self.comm.accept_drain_requests()
+            self.life.serving.set()
             ev.update(open=True, max_queue=self.cfg.max_queue,
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
         # Ready only once the gate is closed, so /health/ready never precedes the record.
@@ -96,7 +100,7 @@ class Rank0:
             self.backend = backend = self.startup()
         except GateFailure as e:
             self.state.readiness.set("failed", str(e))
-            print(f"error: {e}", file=sys.stderr)
+            self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
             self.http.stop(timeout=2)
             return 1

@@ -29,6 +29,7 @@ from serve import floors
 from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
+from serve.startup import HOST_FACTS
 from serve.warmup import PHASE_DONE, follow, warmup_shapes
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ class TorchBackend(Backend):
         if m.target.device == "cuda":
             self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
             torch.cuda.set_device(self.device)
+        self.check_files_present(ev)
         ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__)
+        ev[HOST_FACTS].update(host=why, torch=torch.__version__)
 
     def _min_kv_blocks(self) -> int:
         p = self.manifest.profile
