@@ -56,9 +56,9 @@ class Lifecycle:
                        "signal; exiting")
             self.exit_now(1)
         if not self.serving.is_set():
-            # Before admission there is nothing to drain: mpirun is ending the job. Waiting
-            # for the gate at hand (a load, a peer that never connects) would only keep
-            # this rank alive after its launcher.
+            # Before admission there is nothing to drain: mpirun is ending the job (a rank
+            # died, or mpirun itself was signalled). Finishing the gate at hand first (a
+            # load reads the whole shard) would keep this rank alive for nothing.
             self.error(f"rank {self.rank}: its supervisor is gone during start-up (mpirun "
                        "is ending the job); exiting")
             self.exit_now(1)
@@ -78,8 +78,8 @@ class Lifecycle:
 
     def error(self, message: str) -> None:
         """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
-        the worker's stderr (a pipe to mpirun) may be gone and only the log file remains."""
-        with contextlib.suppress(OSError):
+        the worker's stderr (a pipe to mpirun) is gone and only the log file remains."""
+        with contextlib.suppress(OSError):  # a pipe to an mpirun that is gone
             print(f"error: {message}", file=sys.stderr, flush=True)
         logging.getLogger(RUN_LOG).error("%s", message)
 
@@ -155,10 +155,10 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     try:
         backend = st.run()
         comm.allgather("admitted")
+        life.serving.set()
     except GateFailure as e:
         life.error(f"rank {comm.rank}: {e}")
         return 1
-    life.serving.set()
 
     def forward_drain() -> None:  # a stop signal here: rank 0 drains the whole job
         life.drain.wait()

@@ -55,7 +55,7 @@ from runtime.plan import StepPlan
 from runtime.types import SamplingParams
 from serve import floors
 from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure
+from serve.gates import GateFailure, shutdown_requested
 from serve.startup import HOST_FACTS
 from serve.warmup import decode_batch_sizes
 
@@ -280,6 +280,8 @@ class TrtllmBackend(Backend):
             shapes: list[dict[str, Any]] = []
             n = max(1, min(p.max_num_tokens, p.max_seq_len - 1 - WARMUP_DECODE_TOKENS))
             for batch, length in [(1, n), *((b, 8) for b in decode_batch_sizes(p.max_batch_size))]:
+                if self.st.interrupted():  # a stop signal waits for one shape, not all
+                    raise shutdown_requested("warmup")
                 sp = SamplingParams(max_tokens=WARMUP_DECODE_TOKENS, temperature=0.0,
                                     ignore_eos=True)
                 t0 = time.perf_counter()
