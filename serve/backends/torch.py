@@ -80,7 +80,7 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)
         self.check_files_present(ev)
         ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__)
-        ev[HOST_FACTS].update(host=why, torch=torch.__version__)
+        ev[HOST_FACTS].update(isa=why, torch=torch.__version__)
 
     def _min_kv_blocks(self) -> int:
         p = self.manifest.profile
