@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 PEER_FAILED_GRACE_S = 2.0  # a dead peer: time for the engine loop to answer what is in flight
+PEER_LOST_WAIT_S = 1.0  # an engine failure: how long a dead peer's hang-up may take to arrive
 
 
 class Rank0:
@@ -120,6 +121,9 @@ class Rank0:
     def _fail(self, why: str) -> None:
         """The engine failed: every request already has its error; let the HTTP layer send
         them (a 500, or a final SSE error event), then end the job."""
+        lost = self.comm.lost_peer(PEER_LOST_WAIT_S)
+        if lost is not None:  # a collective failed because a peer died: name it and its host
+            why = f"{lost}; {why}"
         log.error("%s; exiting", why)
         self.state.readiness.set("failed", why)
         t_end = time.monotonic() + 2

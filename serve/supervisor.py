@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from runtime.comm import Bootstrap, mpi_bootstrap
+from runtime.bootstrap import Bootstrap, mpi_bootstrap
 from runtime.netif import InterfaceError
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"

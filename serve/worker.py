@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.comm import Bootstrap, Comm, Listeners
+from runtime.bootstrap import Bootstrap, Listeners
+from runtime.comm import Comm
 from runtime.engine_files import close_all
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig, parse
