@@ -131,6 +131,38 @@ def test_tp2_across_two_hosts_answers_like_transformers_and_drains_both(
         srv.close()
 
 
+def test_a_stop_signal_on_the_remote_host_drains_the_whole_job(
+        hosts: TwoHosts, engine_dir: Path, reference: Reference, tmp_path: Path) -> None:
+    """SIGTERM on host B (what its pod's `serve rank-host` forwards to the rank's supervisor):
+    rank 1 asks rank 0 for a drain; the stream in flight finishes and both ranks exit 0."""
+    srv = launch_two_hosts(hosts, engine_dir, tmp_path, ("--drain-timeout", "60"))
+    try:
+        srv.wait_ready(180)
+        n = 120
+        want = reference.completion("a cat", n, ignore_eos=True)
+        stream = Streamer(srv, "a cat", n)
+        stream.start()
+        assert stream.first.wait(60) and stream.error is None, stream.error
+        rank1 = srv.run_file(1, "pid")
+        assert rank1
+        supervisor = _ppid(rank1)
+        os.kill(supervisor, signal.SIGTERM)
+        _wait_until(lambda: srv.call("GET", "/health/ready").status == 503, 10, "ready 503")
+        stream.join(90)
+        assert stream.error is None, stream.error
+        assert (stream.text, stream.finish) == (want.text, "length")
+        assert srv.proc.wait(60) == 0, srv.logs()
+        assert srv.wait_exit_codes(2, 5) == {0: 0, 1: 0}, srv.logs()
+        assert "rank 1 asked for a drain" in (srv.run_dir / "rank0.log").read_text()
+    finally:
+        srv.close()
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def test_a_killed_remote_rank_ends_the_job_within_10_s_naming_its_host(
         hosts: TwoHosts, engine_dir: Path, tmp_path: Path) -> None:
     srv = launch_two_hosts(hosts, engine_dir, tmp_path)
