@@ -31,6 +31,19 @@ ADDR_A, ADDR_B = "10.77.0.1", "10.77.0.2"
 _CLONE_NEWNET = 0x40000000
 
 
+NS_PREFIX = "aotllm-"
+
+
+def sweep_stale() -> None:
+    """Delete the namespaces of runs whose process is gone (their veth pair goes with them)."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    for line in listed:
+        name = line.split(" ")[0]
+        pid = name.removeprefix(NS_PREFIX).split("-")[0]
+        if name.startswith(NS_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _ip("netns", "del", name, check=False)
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
@@ -59,7 +72,11 @@ class TwoHosts:
     pin_cores: bool = False  # each "host" on one CPU core of its own (benchmarks)
 
     def __post_init__(self) -> None:
-        self.ns_a, self.ns_b = f"aotllm-{self.tag}-a", f"aotllm-{self.tag}-b"
+        sweep_stale()
+        # The creator's pid in the name: parallel runs never collide, and a run killed
+        # before its cleanup (SIGKILL) leaves namespaces the next run can recognize.
+        prefix = f"{NS_PREFIX}{os.getpid()}-{self.tag}"
+        self.ns_a, self.ns_b = f"{prefix}-a", f"{prefix}-b"
         self.if_a, self.if_b = f"aot{self.tag}a", f"aot{self.tag}b"  # at most 15 characters
         self.mounts_b: list[tuple[Path, Path]] = []  # (source, target) bind mounts on host B
         self.agent = self.workdir / "agent"
