@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.common import REPO, free_port, loadavg, md_table
 from bench.loadgen import LoadSpec, exact_length_body, run_load
-from bench.servers import ServerSpec, serve
+from bench.servers import ServerSpec, get_json, serve
 from bench.stats import LoadSummary
 
 RESULTS = REPO / "bench" / "results" / "latest" / "multihost.md"
@@ -77,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 with (two_hosts_spec(args.engine, Path(tmp) / f"h{rnd}") if kind == "two"
                       else _nullspec(one_host_spec(args.engine))) as spec, \
                         serve(spec, logs) as running:
+                    report = get_json(f"{running.spec.base_url}/v1/engine") or {}
                     s = _load(running.spec.base_url, args.concurrency, args.requests,
                               args.max_tokens)
-                rows.append([rnd + 1, spec.name, f"{s.output_tok_s:.1f}",
+                rows.append([rnd + 1, spec.name, _collectives(report), f"{s.output_tok_s:.1f}",
                              f"{s.itl_p50_s * 1000:.1f}", f"{s.ttft_p50_s * 1000:.0f}",
                              f"{running.ready_s:.1f}", loadavg()])
                 print(" | ".join(map(str, rows[-1])), flush=True)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "# TP=2 across two network namespaces vs one host", "",
         f"`python -m bench.multihost --engine {args.engine}`: {args.concurrency} concurrent "
         f"streams, {args.requests} requests of {args.max_tokens} tokens a round.", "",
-        *md_table(["round", "setup", "output tok/s", "ITL p50 ms", "TTFT p50 ms",
+        *md_table(["round", "setup", "collectives", "output tok/s", "ITL p50 ms", "TTFT p50 ms",
                    "ready s", "load avg"], rows), "",
         f"Two hosts / one host, output tok/s (mean of the rounds): {ratio:.2f}", ""])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +103,14 @@ def _nullspec(spec: ServerSpec) -> Iterator[ServerSpec]:
     yield spec
 
 
+def _collectives(report: dict[str, object]) -> str:
+    gates = report.get("gates") or []
+    connect = next((g for g in gates if isinstance(g, dict) and g.get("name") == "connect"), {})
+    return str((connect.get("evidence") or {}).get("collectives", "?"))
+
+
 def _ratio(rows: list[list[object]]) -> float:
-    by = {name: [float(str(r[2])) for r in rows if r[1] == name]
+    by = {name: [float(str(r[3])) for r in rows if r[1] == name]
           for name in ("tp2-one-host", "tp2-two-hosts")}
     one, two = (sum(v) / len(v) for v in by.values())
     return two / one
