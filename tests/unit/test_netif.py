@@ -86,21 +86,24 @@ def test_rank_host_keeps_the_host_up_until_its_ranks_have_drained(tmp_path: Path
     """`serve rank-host -- CMD` (a worker pod's PID 1): a SIGTERM goes to the rank processes
     under CMD (here a stand-in whose command line is a rank's), CMD is stopped only once
     they have exited, and rank-host exits 0."""
-    marker = tmp_path / "signalled"
+    marker, ready = tmp_path / "signalled", tmp_path / "ready"
     rank = (f"import signal, sys, time, pathlib\n"
             f"def stop(*_):\n"
             f"    pathlib.Path({str(marker)!r}).write_text(str(time.monotonic()))\n"
             f"    time.sleep(1.5)  # a drain\n"
             f"    sys.exit(0)\n"
             f"signal.signal(signal.SIGTERM, stop)\n"
+            f"pathlib.Path({str(ready)!r}).write_text('')\n"
             f"time.sleep(60)\n")
     daemon = f"{shlex.quote(sys.executable)} -c {shlex.quote(rank)} serve launch & sleep 60"
     proc = subprocess.Popen([sys.executable, "-m", "serve", "rank-host", "--drain-timeout", "5",
                              "--", "sh", "-c", daemon], cwd=REPO, env=subprocess_env(),
                             stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(2.0)  # the interpreters and the handlers set up
-        assert proc.poll() is None
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the stand-in's handler is set (rank-host's was, before it)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, proc.stderr.read() if proc.stderr else ""
