@@ -84,6 +84,18 @@ class Startup:
         if self.rank == 0 and any(f is not None for _, f in outcomes):
             self.log.amend(name, hosts=[{"rank": r, "host": self.comm.host_label(r), **(f or {})}
                                         for r, (_, f) in enumerate(outcomes)])
+        # Every rank has every rank's facts: all of them refuse a job whose hosts run
+        # different torch builds (the collectives and the numerics are torch's own).
+        torch_on: dict[str, list[str]] = {}
+        for r, (_, f) in enumerate(outcomes):
+            if isinstance(f, dict) and "torch" in f:
+                torch_on.setdefault(str(f["torch"]), []).append(
+                    f"rank {r} on {self.comm.host_label(r)}")
+        if len(torch_on) > 1:
+            self.comm.expect_end()
+            raise GateFailure(name, "the hosts run different torch versions: " + "; ".join(
+                f"{v} on {', '.join(where)}" for v, where in torch_on.items()),
+                "install the same torch on every host of the job")
 
     def run(self, on_resolved: Callable[[Evidence], None] | None = None,
             until: str = GATES[-1]) -> Backend:
