@@ -93,6 +93,12 @@ class Backend(ABC):
         from serve.startup import HOST_FACTS
 
         entries = self.manifest.rank_files(self.rank)
+        facts = ev.setdefault(HOST_FACTS, {})
+        if self.source.local_dir is None:  # an engine in a store: each rank reads its own
+            # objects (or its cache's verified copies); a missing one is named when read.
+            facts.update(files=len(entries), bytes=sum(f.size for f in entries),
+                         source="store")
+            return
         bad = self.files.missing([f.path for f in entries])
         if bad:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -101,7 +107,6 @@ class Backend(ABC):
                 f"missing or of the wrong size in {self.cfg.engine}",
                 "give every host the same engine at the same path (a shared volume, or pull it "
                 "by tag on each host), then `pipeline verify` it there")
-        facts = ev.setdefault(HOST_FACTS, {})
         facts.update(files=len(entries), bytes=sum(f.size for f in entries))
 
     @abstractmethod
