@@ -40,9 +40,9 @@ import torch
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.manifest import Manifest, hash_file
 from runtime.comm import Comm
-from runtime.executors.trtllm import (
+from runtime.executors.trtllm import TrtllmExecutor
+from runtime.executors.trtllm_setup import (
     INSTALL,
-    TrtllmExecutor,
     construct_executor,
     kv_cache_config,
     load_model_config,
