@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,19 +39,32 @@ def weed_binary() -> str:
     return exe
 
 
+# Ports are drawn below Linux's default ephemeral range (32768-60999), with each gRPC port
+# (HTTP port + 10000) below it too: the kernel never hands these to outgoing connections,
+# so a port checked free here can only be taken by another listener choosing explicitly.
+PORT_LOW, PORT_HIGH = 12000, 22700
+START_ATTEMPTS = 3  # a listener that took a port between our check and weed's bind
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
 def _free_ports(n: int) -> list[int]:
-    """n free ports below 55535: weed puts each gRPC port at its HTTP port + 10000."""
+    """n ports free on loopback, each with its gRPC twin (port + 10000) free as well."""
+    rng = random.Random()
     ports: list[int] = []
-    socks = []
     while len(ports) < n:
-        s = socket.socket()
-        s.bind((HOST, 0))
-        port = s.getsockname()[1]
-        socks.append(s)
-        if port < 55535 and port + 10000 not in ports and port not in ports:
+        port = rng.randrange(PORT_LOW, PORT_HIGH)
+        if port in ports or port + 10000 in ports or port - 10000 in ports:
+            continue
+        if _bindable(port) and _bindable(port + 10000):
             ports.append(port)
-    for s in socks:
-        s.close()
     return ports
 
 
@@ -73,6 +87,14 @@ class SeaweedS3:
                 "AWS_EC2_METADATA_DISABLED": "true", **overrides}
 
     def start(self, timeout: float = 60.0) -> SeaweedS3:
+        for _ in range(START_ATTEMPTS):
+            if self._start_once(timeout):
+                return self
+        raise RuntimeError(f"weed lost its ports to other listeners {START_ATTEMPTS} times:\n"
+                           f"{self.log()}")
+
+    def _start_once(self, timeout: float) -> bool:
+        """False when weed lost a port to another listener (try again on fresh ports)."""
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "s3.json"
@@ -93,9 +115,11 @@ class SeaweedS3:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log():
+                    return False
                 raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log()}")
             if self._answers() and self._writable():
-                return self
+                return True
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"weed's S3 gateway did not answer within {timeout} s:\n{self.log()}")

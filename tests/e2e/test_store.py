@@ -170,3 +170,33 @@ def test_store_dying_mid_read_ends_the_read(tmp_path: Path) -> None:
     assert "s3://dying/x/blob" in str(err.value)
     assert 0 < len(landed) < size // (64 << 10)  # it stopped early, not after every part
     assert elapsed < 60, elapsed  # bounded by the deadline (with retries), not a hang
+
+
+def test_store_server_takes_fresh_ports_when_one_is_taken(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixture's server: a listener that takes one of its ports between the check and
+    weed's bind makes weed exit; the server starts again on fresh ports instead of failing."""
+    import socket
+
+    import demo.seaweed as seaweed
+
+    with socket.socket() as busy:
+        busy.bind((seaweed.HOST, 0))
+        busy.listen()
+        draws: list[list[int]] = []
+        free_ports = seaweed._free_ports
+
+        def first_draw_taken(n: int) -> list[int]:
+            ports = free_ports(n)
+            if not draws:
+                ports[-1] = busy.getsockname()[1]  # the S3 gateway's port
+            draws.append(ports)
+            return ports
+
+        monkeypatch.setattr(seaweed, "_free_ports", first_draw_taken)
+        with seaweed.SeaweedS3(tmp_path / "ports") as s3:
+            assert len(draws) == 2
+            assert s3.port == draws[1][-1] != busy.getsockname()[1]
+            for k, v in s3.env().items():
+                monkeypatch.setenv(k, v)
+            ObjectStore("s3://ports/x").put("ping", b"1")  # it serves
