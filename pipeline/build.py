@@ -80,8 +80,10 @@ class _Clock:
 def _check_backend(cfg: BuildConfig) -> None:
     if cfg.backend != "trtllm":
         return
+    from runtime.executors.trtllm_setup import import_trtllm
+
     try:
-        import tensorrt_llm  # noqa: F401
+        import_trtllm()
     except ImportError as e:
         raise BuildError(
             "the trtllm backend needs TensorRT-LLM 1.2.x, which is not installed",

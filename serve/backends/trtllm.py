@@ -27,19 +27,16 @@ import gc
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.manifest import Manifest, hash_file
-from runtime.comm import Comm
 from runtime.executors.trtllm import TrtllmExecutor
 from runtime.executors.trtllm_setup import (
     INSTALL,
@@ -47,14 +44,14 @@ from runtime.executors.trtllm_setup import (
     kv_cache_config,
     load_model_config,
     trtllm_missing,
-    trtllm_mpi_world,
 )
 from runtime.host import gpu_sm
-from runtime.mpi import MPIRUN_ENV, loaded_libmpi, mpi_library_version, mpirun_of
+from runtime.mpi import mpi_library_version
 from runtime.plan import StepPlan
 from runtime.types import SamplingParams
 from serve import floors
 from serve.backends.base import Backend, EngineFault
+from serve.backends.trtllm_mpi import check_mpi_world, finalize_mpi, watch_leader
 from serve.gates import GateFailure, shutdown_requested
 from serve.startup import HOST_FACTS
 from serve.warmup import decode_batch_sizes
@@ -64,7 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 WARMUP_DECODE_TOKENS = 4
-FINALIZE_TIMEOUT_S = 10.0
 KV_STATS_WAIT_S = 2.0  # iteration statistics reach the adapter on its next poll
 
 
@@ -134,7 +130,7 @@ class TrtllmBackend(Backend):
         except ImportError as e:
             raise GateFailure("compatible", f"this is a TensorRT-LLM engine but TensorRT-LLM "
                               f"cannot be imported here ({e})", INSTALL) from None
-        self._check_mpi_world()
+        check_mpi_world(self.rank, self.comm.size, self.cfg.mpirun, self.cfg.engine)
         have = {"tensorrt_llm": str(tensorrt_llm.__version__),
                 "tensorrt": str(tensorrt.__version__)}
         for key, name in (("tensorrt_llm", "TensorRT-LLM"), ("tensorrt", "TensorRT")):
@@ -154,30 +150,6 @@ class TrtllmBackend(Backend):
                   mpi=mpi_library_version() or "unknown",
                   gpu=sm or "not queryable here (torch sees no CUDA device); TensorRT checks the "
                   "plan's SM when the Executor deserializes it (kernels gate)")
-
-    def _check_mpi_world(self) -> None:
-        """TensorRT-LLM's MPI world must be ours: an mpirun of another MPI than the libmpi
-        TensorRT-LLM loads starts each rank as a world of its own, and the Executor would fail
-        with "MPI worldSize is expected to be equal to tp*pp*cp"."""
-        rank, size = trtllm_mpi_world()
-        if (rank, size) == (self.rank, self.comm.size):
-            return
-        lib = loaded_libmpi()
-        version = mpi_library_version()
-        library = " ".join(filter(None, (str(lib) if lib else None,
-                                         f"({version})" if version else None))) or "unknown"
-        launcher = self.cfg.mpirun or os.environ.get(MPIRUN_ENV) or _launcher_of_this_job()
-        own = mpirun_of(lib) if lib is not None else None
-        use = (f"start the job with the mpirun of that library: serve launch --mpirun {own} "
-               f"--engine {self.cfg.engine} (or {MPIRUN_ENV}={own}, or `{own} -n "
-               f"{self.comm.size} serve launch ...`)" if own is not None else
-               f"start the job with the mpirun that belongs to that library (serve launch "
-               f"--mpirun PATH, or {MPIRUN_ENV})")
-        raise GateFailure(
-            "compatible", f"TensorRT-LLM's MPI sees this process as rank {rank} of a world of "
-            f"{size}, but this job is rank {self.rank} of {self.comm.size}: the mpirun that "
-            f"started it ({launcher or 'unknown'}) does not belong to the MPI library "
-            f"TensorRT-LLM loaded ({library})", use)
 
     # ---- 3 reserve ---------------------------------------------------------------------
 
@@ -376,7 +348,7 @@ class TrtllmBackend(Backend):
 
     def follow(self, exit_now: Callable[[int], None]) -> int:
         orderly = threading.Event()
-        threading.Thread(target=_watch_leader, args=(self.comm, orderly, exit_now),
+        threading.Thread(target=watch_leader, args=(self.comm, orderly, exit_now),
                          name="leader-watch",
                          daemon=True).start()
         log.info("Executor constructed (not the leader); blocking in Executor.shutdown() until "
@@ -405,47 +377,3 @@ class TrtllmBackend(Backend):
     def finalize(self) -> None:
         self.release()
         finalize_mpi(self._supervisor)
-
-
-def _launcher_of_this_job() -> str | None:
-    """The program that started our supervisor (mpirun, or its prted/orted daemon)."""
-    try:
-        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
-        launcher = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, ppid
-        return os.readlink(f"/proc/{launcher}/exe")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def finalize_mpi(supervisor_pid: int) -> None:
-    """MPI_Finalize (bounded) when MPI is up and our supervisor still waits for us."""
-    if os.getppid() != supervisor_pid or supervisor_pid <= 1:
-        return  # the supervisor is gone (a drain past Open MPI's kill): nobody to hang
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        import mpi4py
-
-        mpi4py.rc.initialize = False  # never initialize MPI just to finalize it
-        from mpi4py import MPI as mpi
-    if not mpi.Is_initialized() or mpi.Is_finalized():
-        return
-    t = threading.Thread(target=mpi.Finalize, name="mpi-finalize", daemon=True)
-    t.start()
-    t.join(FINALIZE_TIMEOUT_S)
-    if t.is_alive():
-        log.warning("MPI_Finalize did not return within %.0f s; exiting anyway", FINALIZE_TIMEOUT_S)
-
-
-def _watch_leader(comm: Comm, orderly: threading.Event, exit_now: Callable[[int], None]) -> None:
-    """Ranks > 0: rank 0 sends one shutdown plan before it shuts down; EOF without it means
-    rank 0 died, and our shutdown() would wait for it forever."""
-    try:
-        plan = comm.recv_plan()
-        if plan.shutdown:
-            orderly.set()
-            return
-    except (ConnectionError, OSError, EOFError):
-        pass
-    if not orderly.is_set():
-        log.error("lost rank 0 (the leader) before it shut down; exiting")
-        exit_now(1)

@@ -30,6 +30,8 @@ RECEIVERS: dict[str, dict[str, str]] = {
         "it": f"{X}.IterationStats", "kv": f"{X}.KvCacheStats",
         "ifb": f"{X}.InflightBatchingStats",
     },
+    "runtime/executors/trtllm_setup.py": {"tllm": "tensorrt_llm", "trt": "tensorrt", "tx": X},
+    "runtime/executors/trtllm_request.py": {"tx": X, "result": f"{X}.Result"},
     "serve/backends/trtllm.py": {"tensorrt_llm": "tensorrt_llm", "tensorrt": "tensorrt", **_EXEC},
 }
 MODULE_STRINGS = {"tensorrt_llm": "tllm", "tensorrt": "trt", X: "tx"}  # import_module targets
@@ -113,6 +115,31 @@ def _check(api: ModuleType, use: Use) -> str | None:
             return f"{where}: {attr!r} is not a documented member of {parent}"
     except api.SurfaceError as err:
         return f"{where}: {err}"
+
+
+def _mentions_tensorrt(rel: str) -> bool:
+    """The file imports tensorrt_llm/tensorrt or names one of their modules in a string."""
+    for node in ast.walk(ast.parse((REPO / rel).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and " " not in node.value:
+            names = [node.value]
+        else:
+            continue
+        if any(n.split(".")[0] in ("tensorrt_llm", "tensorrt") for n in names):
+            return True
+    return False
+
+
+def test_every_file_that_reaches_tensorrt_llm_is_listed() -> None:
+    """A new or renamed module of the backend that imports TensorRT-LLM cannot escape the
+    check below (the others reach it through receivers these files hand out)."""
+    ours = [str(f.relative_to(REPO)) for d in ("runtime", "pipeline", "serve")
+            for f in sorted((REPO / d).rglob("*.py"))]
+    assert {r for r in ours if _mentions_tensorrt(r)} <= set(RECEIVERS)
 
 
 def test_every_tensorrt_llm_call_is_in_the_reference(trtllm_fake: ModuleType) -> None:
