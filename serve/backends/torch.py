@@ -13,7 +13,7 @@ import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_shard
 from runtime import kernels
-from runtime.checkpoint import load_engine_model_config
+from runtime.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.engine import LLMEngine, worker_loop
 from runtime.executors.torch import allocate_kv_cache, make_step_fn
 from runtime.golden import check_golden, run_golden
@@ -23,6 +23,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.plan import StepPlan
+from runtime.quant import runs_here
 from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
@@ -58,7 +59,11 @@ class TorchBackend(Backend):
     # ---- 1 resolve, 2 compatible, 3 reserve -------------------------------------------
 
     def resolve(self, ev: Evidence) -> None:
-        self.st.model = load_engine_model_config(self.files.get(ENGINE_CONFIG).parent)
+        src = self.files.get(ENGINE_CONFIG).parent
+        self.st.model = load_engine_model_config(src)
+        if load_engine_quant(src) != self.manifest.quant:
+            raise GateFailure("resolve", f"{ENGINE_CONFIG} and the manifest disagree on the "
+                              "engine's quantization", REBUILD)
 
     def compatible(self, ev: Evidence) -> None:
         m = self.manifest
@@ -73,10 +78,14 @@ class TorchBackend(Backend):
                 f"the engine's kernels were compiled by torch {built_torch}, this host runs {torch.__version__}",
                 REBUILD,
             )
+        ok, quant = runs_here(m.quant, m.backend, m.target.device, self.files.listed(KERNELS_LIB))
+        if not ok:
+            raise GateFailure("compatible", quant, REBUILD)
         if m.target.device == "cuda":
             self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
             torch.cuda.set_device(self.device)
-        ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__)
+        ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__,
+                  quant=quant)
 
     def _min_kv_blocks(self) -> int:
         p = self.manifest.profile
@@ -179,7 +188,7 @@ class TorchBackend(Backend):
         tp = TPContext(self.rank, self.comm.size)
         # The package is the copy verified in gate 5, never the engine directory's file.
         step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
-                               self.device)
+                               self.device, m.quant)
         self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
         self.runner.keepalive = shard
         pkg = self.files.dir / rank_package(self.rank)
@@ -204,7 +213,7 @@ class TorchBackend(Backend):
         _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
                              forced=record["tokens"], send=send)
         send(StepPlan(PHASE_DONE))
-        ok, evidence = check_golden(record, tops, m.dtype)
+        ok, evidence = check_golden(record, tops, m.dtype, m.quant.scheme)
         ev["golden"] = evidence
         if not ok:
             raise GateFailure(
