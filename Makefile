@@ -11,8 +11,10 @@ TP      ?= 2
 BACKEND ?= aoti
 DTYPE   ?= bfloat16
 STORE   ?= engines
+DURATION ?= 180
+ENGINE  ?=
 
-.PHONY: install test lint demo demo-model build-engine bench bench-peers clean
+.PHONY: install test test-trtllm lint demo demo-model build-engine bench bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -25,6 +27,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/pytest -q
+
+# On a GPU host with TensorRT-LLM 1.2.x installed (pip install -e '.[trtllm]' ...): build a tiny
+# Llama engine at TP=1 and TP=2, serve it, compare with transformers, drain. Elsewhere every
+# test reports why it was skipped.
+test-trtllm: $(STAMP)
+	$(BIN)/pytest -q -rs -m trtllm_gpu tests/trtllm_gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -46,6 +54,15 @@ bench-peers: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Minutes of mixed, hostile traffic against a TP server, then its invariants (bench/soak.py);
+# without ENGINE, the eager SmolLM2 demo engine (TP=$(TP), small profile) is built first.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --duration $(DURATION) --tp $(TP) $(if $(ENGINE),--engine $(ENGINE))
+
+# kill -9 / SIGTERM / rm -rf / engine faults at the worst moments, each timed (bench/faults.py).
+faults: $(STAMP)
+	$(BIN)/python -m bench.faults --tp $(TP) $(if $(ENGINE),--engine $(ENGINE))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

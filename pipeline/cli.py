@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize the LM head too (and the embedding when tied to it; default: %(default)s)",
     )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
+    b.add_argument("--mpirun", default=None,
+                   help="the mpirun of the golden run when --tp > 1 (default: $AOTLLM_MPIRUN, "
+                   "else the mpirun of the MPI library mpi4py loads)")
     b.set_defaults(func=cmd_build)
 
     v = sub.add_parser("verify", parents=[debug], help="rehash every file of an engine")
@@ -117,6 +121,10 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from pipeline.build import build_engine
+    from runtime.mpi import MPIRUN_ENV
+
+    if args.mpirun:  # the golden run's launcher, and its children's
+        os.environ[MPIRUN_ENV] = args.mpirun
 
     try:
         profile = BuildProfile(

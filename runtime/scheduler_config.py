@@ -55,8 +55,9 @@ class SchedulerConfig:
 class SchedulerStats:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by unfinished sequences
     kv_blocks_total: int  # usable blocks (the null block excluded)
+    kv_blocks_cached: int  # prefix-cached blocks no sequence holds (free, reusable)
     preemptions_total: int
     steps_total: int
     tokens_last_step: int

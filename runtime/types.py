@@ -150,7 +150,8 @@ class ExecutorStats:
     running: int = 0
     waiting: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # held by requests
+    kv_blocks_cached: int = 0  # prefix-cached, held by no request (reusable, evictable)
     preemptions_total: int = 0
     steps_total: int = 0
     tokens_last_step: int = 0

@@ -29,6 +29,11 @@ class GateFailure(Exception):
         self.gate, self.cause, self.remedy = gate, cause, remedy
 
 
+def shutdown_requested(gate: str) -> GateFailure:
+    """A stop signal arrived before admission: start-up ends at the next safe point."""
+    return GateFailure(gate, "shutdown requested before admission", "nothing to do")
+
+
 @dataclass(slots=True)
 class Gate:
     name: str

@@ -29,6 +29,7 @@ class LaunchConfig:
     max_body_bytes: int = 1 << 20
     max_connections: int = 1024
     header_timeout: float = 10.0
+    mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -90,6 +91,11 @@ def parser() -> argparse.ArgumentParser:
                    help="open HTTP connections at once; more are closed at accept (default 1024)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a new connection has to send its request header (default 10)")
+    p.add_argument("--mpirun", default=None,
+                   help="the mpirun `serve launch` starts when run on its own (default: "
+                   "$AOTLLM_MPIRUN, else the mpirun of the MPI library mpi4py loads, else the "
+                   "one beside this Python); it must belong to the MPI library TensorRT-LLM "
+                   "loads (Open MPI flags)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="write rank{N}.pid and, at exit, rank{N}.exit (exit code) here")
     return p
@@ -103,5 +109,5 @@ def parse(argv: list[str]) -> LaunchConfig:
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
-        header_timeout=ns.header_timeout,
+        header_timeout=ns.header_timeout, mpirun=ns.mpirun,
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from contract.errors import BuildError
 from contract.manifest import read_manifest
-from runtime.mpi import child_env, mpirun_argv
+from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpirun_argv
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve.launcher")
@@ -95,8 +95,12 @@ class Launcher:
     def run(self) -> int:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
-        cmd = [*mpirun_argv(self.tp), sys.executable, "-m", "serve", "launch", *self.argv]
-        self.proc = proc = subprocess.Popen(cmd, env=child_env(), start_new_session=True)
+        mpirun = mpirun_argv(self.tp, self.cfg.mpirun)
+        cmd = [*mpirun, sys.executable, "-m", "serve", "launch", *self.argv]
+        env = child_env()
+        env[MPIRUN_ENV] = mpirun[0]  # the ranks name it if their MPI library disagrees
+        log.info("starting %s", " ".join(cmd))
+        self.proc = proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         while True:
             try:
                 rc = proc.wait(0.2)
@@ -127,4 +131,8 @@ def launch(argv: list[str], cfg: LaunchConfig) -> int:
         return e.exit_code
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s [launcher] %(levelname)s %(message)s")
-    return Launcher(argv, cfg, tp).run()
+    try:
+        return Launcher(argv, cfg, tp).run()
+    except MpirunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 prometheus_client.disable_created_metrics()
 
 PREFIX = "llmserve_"
+KV_BLOCK_STATES = ("used", "cached", "free")
 
 # Latency buckets follow vLLM's, stretched at the top because CPU engines are slow.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -54,6 +55,12 @@ class ServingMetrics:
                              registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_ratio",
                               "Fraction of paged KV-cache blocks in use (0 to 1).", registry=r)
+        self.kv_blocks = Gauge(f"{p}kv_cache_blocks",
+                               "Paged KV-cache blocks by state: used (held by requests), "
+                               "cached (prefix cache, held by none, reusable), free.",
+                               ("state",), registry=r)
+        for state in KV_BLOCK_STATES:  # known states: on the page from the start, at 0
+            self.kv_blocks.labels(state=state)
         self.gate_seconds = Gauge(f"{p}startup_gate_seconds",
                                   "Duration of each startup readiness gate.", ("gate",),
                                   registry=r)
@@ -98,6 +105,12 @@ class ServingMetrics:
             self.running.set(getattr(stats, "running", 0))
             self.waiting.set(getattr(stats, "waiting", 0))
             self.kv_usage.set(getattr(stats, "kv_usage", 0.0))
+            total = int(getattr(stats, "kv_blocks_total", 0))
+            used = int(getattr(stats, "kv_blocks_used", 0))
+            cached = int(getattr(stats, "kv_blocks_cached", 0))
+            self.kv_blocks.labels(state="used").set(used)
+            self.kv_blocks.labels(state="cached").set(cached)
+            self.kv_blocks.labels(state="free").set(max(total - used - cached, 0))
             self._mirror_preemptions(float(getattr(stats, "preemptions_total", 0)))
             extra = getattr(stats, "extra", None) or {}
             for key in self.mirrored:

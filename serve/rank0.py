@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
     from serve.worker import Lifecycle
 
 log = logging.getLogger("serve")
+PEER_FAILED_GRACE_S = 2.0  # a dead peer: time for the engine loop to answer what is in flight
 
 
 class Rank0:
@@ -81,6 +81,7 @@ class Rank0:
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
         # Ready only once the gate is closed, so /health/ready never precedes the record.
         self.state.open_admission(executor)
+        self.life.serving.set()
         return backend
 
     def _peer_failed(self, why: str) -> None:
@@ -89,6 +90,13 @@ class Rank0:
             return  # a peer leaving at the very end of a drain is expected
         log.error("%s; the job cannot serve without it, exiting", why)
         self.state.readiness.set("failed", why)
+        # Requests in flight: the engine loop's next collective fails as well and it answers
+        # each of them (a 500, or a final SSE error event; see _fail). Leaving at once
+        # would drop their connections instead, so give it a moment (bounded) first.
+        t_end = time.monotonic() + PEER_FAILED_GRACE_S
+        while (executor is not None and (executor.num_unfinished() or self.state.in_flight())
+               and time.monotonic() < t_end):
+            time.sleep(0.01)
         self.life.exit_now(1)
 
     def run(self) -> int:
@@ -96,7 +104,7 @@ class Rank0:
             self.backend = backend = self.startup()
         except GateFailure as e:
             self.state.readiness.set("failed", str(e))
-            print(f"error: {e}", file=sys.stderr)
+            self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
             self.http.stop(timeout=2)
             return 1

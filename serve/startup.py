@@ -22,7 +22,7 @@ from runtime.engine_files import EngineFiles
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
-from serve.gates import GateFailure, GateLog
+from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
 
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
@@ -55,7 +55,7 @@ class Startup:
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
         err: GateFailure | None = None
         if self.interrupted():
-            err = GateFailure(name, "shutdown requested before admission", "nothing to do")
+            err = shutdown_requested(name)
         else:
             try:
                 with self.log.run(name) as evidence:

@@ -60,6 +60,15 @@ def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
         except InterruptedError:
             continue
     os.close(parent_w)
+    if rc < 0:
+        # A worker killed by a signal (kill -9, the OOM killer) prints nothing itself: this
+        # line, forwarded by mpirun to the launcher's stderr, is the job's only cause.
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        print(f"error: rank {boot.rank}: its serving process (pid {proc.pid}) was killed by "
+              f"{name}; the job ends", file=sys.stderr, flush=True)
     if rc == 0:
         from mpi4py import MPI
 

@@ -19,6 +19,10 @@ PHASE_DONE = -2  # step id of the plan that ends a driven phase on ranks > 0
 _SEQ_BASE = -1000
 
 
+class Interrupted(Exception):
+    """A stop signal arrived between two warmup shapes."""
+
+
 def decode_batch_sizes(max_batch: int) -> list[int]:
     sizes, b = {max_batch}, 1
     while b < max_batch:
@@ -35,8 +39,11 @@ def _run(runner: ModelRunner, plan: StepPlan, send: Callable[[StepPlan], None]) 
 
 
 def warmup_shapes(
-    runner: ModelRunner, profile: BuildProfile, num_blocks: int, send: Callable[[StepPlan], None]
+    runner: ModelRunner, profile: BuildProfile, num_blocks: int, send: Callable[[StepPlan], None],
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, float | int | str]]:
+    """Run every shape; raises Interrupted between two shapes once `interrupted()` is true,
+    so a stop signal waits for one step, not for the whole warmup."""
     bs = profile.tokens_per_block
     usable = list(range(1, num_blocks))
     done: list[dict[str, float | int | str]] = []
@@ -55,6 +62,8 @@ def warmup_shapes(
 
     # Decode: b sequences with a short context each, one token per sequence.
     for b in decode_batch_sizes(min(profile.max_batch_size, len(usable))):
+        if interrupted():
+            raise Interrupted
         ids = [_SEQ_BASE - 1 - i for i in range(b)]
         plan = StepPlan(step, new_seqs=[NewSeq(s, [1, 2]) for s in ids], scheduled=[
             ScheduledSeq(s, 1, 1, [usable[i]], True) for i, s in enumerate(ids)])

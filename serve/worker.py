@@ -7,6 +7,7 @@ admission and runs the engine loop on the main thread; other ranks execute plans
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from serve.launch import LaunchConfig, parse
 from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
 
 log = logging.getLogger("serve")
+RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed on stderr)
 
 
 class Lifecycle:
@@ -33,6 +35,7 @@ class Lifecycle:
     def __init__(self, run_dir: Path | None = None, rank: int = 0) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived
+        self.serving = threading.Event()  # admission opened: from now on a drain has work
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.drain.set())
         fd = os.environ.get(PARENT_FD_ENV)
@@ -48,12 +51,27 @@ class Lifecycle:
         if not self.drain.is_set():
             log.error("the rank's supervisor died without a shutdown signal; exiting")
             self.exit_now(1)
+        if not self.serving.is_set():
+            # Before admission there is nothing to drain: mpirun is ending the job (a rank
+            # died, or mpirun itself was signalled). Finishing the gate at hand first (a
+            # load reads the whole shard) would keep this rank alive for nothing.
+            self.error(f"rank {self.rank}: its supervisor is gone during start-up (mpirun "
+                       "is ending the job); exiting")
+            self.exit_now(1)
+
+    def error(self, message: str) -> None:
+        """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
+        the worker's stderr (a pipe to mpirun) is gone and only the log file remains."""
+        with contextlib.suppress(OSError):  # a pipe to an mpirun that is gone
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        logging.getLogger(RUN_LOG).error("%s", message)
 
     def exit_now(self, code: int) -> None:
         """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
         close_all()
         _write_run_file(self.run_dir, self.rank, "exit", code)
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
         os._exit(code)
 
 
@@ -71,6 +89,9 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
             return
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
+        run_log = logging.getLogger(RUN_LOG)
+        run_log.addHandler(handler)
+        run_log.propagate = False
 
 
 # Python's default 5 ms: a thread that wants the GIL may wait that long. Rank 0's HTTP
@@ -116,8 +137,9 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     try:
         backend = st.run()
         comm.allgather("admitted")
+        life.serving.set()
     except GateFailure as e:
-        print(f"error: rank {comm.rank}: {e}", file=sys.stderr)
+        life.error(f"rank {comm.rank}: {e}")
         return 1
     rc = backend.follow(life.exit_now)
     if rc == 0:
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = (serve_rank0(cfg, comm, life, threads) if rank == 0
               else serve_follower(cfg, comm, life))
     except (ConnectionError, OSError) as e:
-        print(f"error: rank {rank}: lost the other ranks ({e})", file=sys.stderr)
+        life.error(f"rank {rank}: lost the other ranks ({e})")
     finally:
         close_all()
         _write_run_file(cfg.run_dir, rank, "exit", rc)

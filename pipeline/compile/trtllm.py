@@ -2,16 +2,21 @@
 
 Written against shared/reference/tensorrt-llm-1.2-api.md (§1.1-§1.4), the documented Python
 path: per rank, `LLaMAForCausalLM.from_hugging_face(hf_dir, dtype, mapping=Mapping(...))`,
-`save_checkpoint`, then `tensorrt_llm.builder.build(model, BuildConfig(...))` and
-`engine.save(engine_dir)`. The engine directory keeps TensorRT-LLM's own layout: its
-`config.json` (the EngineConfig the Executor reads) and `rank{N}.engine`. Our model config,
-which other backends keep in config.json, lives in `model_config.json` beside it.
+then `tensorrt_llm.builder.build(model, BuildConfig(...))` and `engine.save(engine_dir)`
+(the converted model is built in memory; no checkpoint is written). The engine directory
+keeps TensorRT-LLM's own layout: its `config.json` (the EngineConfig the Executor reads) and
+`rank{N}.engine`. Our model config, which other backends keep in config.json, lives in
+`model_config.json` beside it.
+
+TensorRT's timing cache lives in the staging directory (`input_timing_cache` =
+`output_timing_cache`): rank 0 times the kernels, the other ranks reuse its timings, and
+nothing is written to the working directory (BuildConfig's default is `model.cache` there).
+It is removed before the engine's files are hashed.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +31,7 @@ from runtime.checkpoint import read_model_config, write_engine_model_config
 from runtime.executors.trtllm import import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
 
-CHECKPOINT_DIR = ".trtllm-checkpoint"  # inside the staging dir; removed before hashing
+TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before hashing
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
@@ -39,25 +44,42 @@ def check_source(hf_config: dict[str, Any]) -> None:
         )
 
 
-def make_build_config(profile: BuildProfile) -> Any:
-    """tensorrt_llm.BuildConfig from our profile, spelled as reference §1.2 / §6 spells it."""
+def make_build_config(profile: BuildProfile, timing_cache: Path | None = None) -> Any:
+    """tensorrt_llm.BuildConfig from our profile, spelled as reference §1.2 / §6 spells it.
+
+    `kv_cache_type` is left at its default (PAGED): the string "paged" is converted only by
+    the pydantic BuildConfig of 1.2; where BuildConfig is a dataclass it silently disables the
+    paged cache, which the Executor then refuses to serve."""
     tllm = import_trtllm()
     from tensorrt_llm.plugin.plugin import PluginConfig
 
+    wanted: dict[str, Any] = {
+        "gemm_plugin": "auto",  # the docs' advice for FP16/BF16; default is off
+        "use_paged_context_fmha": True,  # chunked context and KV reuse need it
+        "multiple_profiles": True,  # costs build time only
+        "tokens_per_block": profile.tokens_per_block,
+    }
     plugins = PluginConfig(
-        gemm_plugin="auto",  # the docs' advice for FP16/BF16; default is off
-        use_paged_context_fmha=True,  # chunked context and KV reuse need it
-        multiple_profiles=True,  # costs build time only
-        tokens_per_block=profile.tokens_per_block,
+        gemm_plugin=wanted["gemm_plugin"],
+        use_paged_context_fmha=wanted["use_paged_context_fmha"],
+        multiple_profiles=wanted["multiple_profiles"],
+        tokens_per_block=wanted["tokens_per_block"],
     )
+    # PluginConfig ignores keys it does not know: read back what we set.
+    lost = {k: v for k, v in wanted.items() if getattr(plugins, k, None) != v}
+    if lost:
+        raise BuildError(f"this TensorRT-LLM's PluginConfig did not take {sorted(lost)}",
+                         "check the installed TensorRT-LLM is 1.2.x")
+    cache = None if timing_cache is None else str(timing_cache)
     # opt_num_tokens stays unset: with multiple_profiles it raises RuntimeError.
     return tllm.BuildConfig(
         max_batch_size=profile.max_batch_size,
         max_input_len=profile.max_seq_len - 1,  # serve admits prompts up to max_seq_len - 1
         max_seq_len=profile.max_seq_len,
         max_num_tokens=profile.max_num_tokens,
-        kv_cache_type="paged",
         plugin_config=plugins,
+        input_timing_cache=cache,
+        output_timing_cache=cache,
     )
 
 
@@ -71,10 +93,9 @@ def convert_and_build(
     hf_dir: Path, engine_dir: Path, tp: int, dtype: str, profile: BuildProfile,
     progress: Progress | None = None,
 ) -> dict[str, float]:
-    """Every rank, one at a time: convert, save its checkpoint, build, save its engine.
+    """Every rank, one at a time: convert in memory, build, save its engine.
 
-    Returns seconds per stage ("convert", "compile"). A rank's checkpoint shard is deleted as
-    soon as its engine is saved, so the peak extra disk is one rank's weights.
+    Returns seconds per stage ("convert", "compile"). Peak extra memory is one rank's model.
     """
     progress = progress or Progress.silent()
     tllm = import_trtllm()
@@ -82,23 +103,20 @@ def convert_and_build(
     from tensorrt_llm.models import LLaMAForCausalLM
 
     write_model_config(hf_dir, engine_dir)
-    ckpt = engine_dir / CHECKPOINT_DIR
-    ckpt.mkdir()
-    build_config = make_build_config(profile)
+    timing_cache = engine_dir / TIMING_CACHE
     secs = {"convert": 0.0, "compile": 0.0}
     try:
+        build_config = make_build_config(profile, timing_cache)
         with progress.stage("trtllm convert + build", total=tp, unit="ranks") as st:
             for rank in range(tp):
                 t0 = time.perf_counter()
                 mapping = tllm.Mapping(world_size=tp, rank=rank, tp_size=tp, pp_size=1)
                 model = LLaMAForCausalLM.from_hugging_face(str(hf_dir), dtype, mapping=mapping)
-                model.save_checkpoint(str(ckpt), save_config=(rank == 0))
                 t1 = time.perf_counter()
                 engine = build(model, build_config)
                 engine.save(str(engine_dir))
                 secs["convert"] += t1 - t0
                 secs["compile"] += time.perf_counter() - t1
-                (ckpt / f"rank{rank}.safetensors").unlink(missing_ok=True)
                 del model, engine
                 st.advance(1)
     except BuildError:
@@ -110,7 +128,7 @@ def convert_and_build(
             exit_code=EXIT_FAILURE,
         ) from e
     finally:
-        shutil.rmtree(ckpt, ignore_errors=True)
+        timing_cache.unlink(missing_ok=True)
     missing = [n for n in (TRTLLM_CONFIG, *(rank_trt_engine(r) for r in range(tp)))
                if not (engine_dir / n).is_file()]
     if missing:

@@ -5,6 +5,13 @@ constructs the Executor with the same arguments (collective; `construct_executor
 rank 0 (the leader) enqueues, awaits, cancels and reads statistics (`TrtllmExecutor`); the
 other ranks call `shutdown()`, which blocks until the leader shuts down.
 
+The leader's `shutdown()` blocks too, until every queued and active request has finished
+(executorImpl.cpp keeps stepping after its terminate request), and a cancel reaches a queued
+request only once it has been admitted: `TrtllmExecutor.shutdown` therefore cancels what is
+left and waits for it before shutting the Executor down, bounded, and then drops its
+reference, so that the Executor (whose destructor frees MPI communicators) is destroyed
+before anyone finalizes MPI.
+
 Threads: the HTTP thread calls `add_request` / `cancel` (both return at once); one
 background thread blocks in `await_responses(timeout=...)` and turns responses into
 TokenEvents, and reads the iteration statistics (which drain on read) into a snapshot that
@@ -14,8 +21,10 @@ TokenEvents, and reads the iteration statistics (which drain on read) into a sna
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +49,9 @@ from runtime.types import (
 
 log = logging.getLogger("serve.trtllm")
 POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
+CANCEL_WAIT_S = 5.0  # shutdown: how long cancelled requests may take to end
+SHUTDOWN_WAIT_S = 30.0  # shutdown: how long Executor.shutdown() may block
+SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
 # TensorRT-LLM's finish reasons (reference §2.1) -> ours; TIMED_OUT and unknown ones are errors.
 _FINISH: dict[str, FinishReason] = {
     "END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
@@ -53,8 +65,26 @@ INSTALL = (
 
 
 def import_trtllm() -> ModuleType:
-    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage)."""
+    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage).
+
+    Under MPI the import is a collective (`tensorrt_llm/_utils.py` splits COMM_WORLD at import
+    time): every rank must import it, or the others block in their import. A job checks
+    `trtllm_missing()` on every rank and agrees before any rank imports it."""
     return importlib.import_module("tensorrt_llm")
+
+
+def trtllm_missing() -> str | None:
+    """Why `tensorrt_llm` (or `tensorrt`) cannot be imported here, without importing it (no
+    MPI collective); None when both are installed."""
+    absent = [m for m in ("tensorrt_llm", "tensorrt") if importlib.util.find_spec(m) is None]
+    return f"No module named {absent[0]!r}" if absent else None
+
+
+def trtllm_mpi_world() -> tuple[int, int]:
+    """(rank, world size) as TensorRT-LLM's MPI library sees this process."""
+    from tensorrt_llm._utils import mpi_rank, mpi_world_size
+
+    return int(mpi_rank()), int(mpi_world_size())
 
 
 def trtllm_versions() -> dict[str, str]:
@@ -163,10 +193,17 @@ class TrtllmExecutor:
     def cancel(self, request_id: str) -> None:
         with self._lock:
             trt_id = self._by_request.get(request_id)
-        if trt_id is not None:
-            # The final response (finish reason CANCELLED) ends the request in _dispatch.
-            self._ex.cancel_request(trt_id)
-            log.info("request %s: cancel_request(%d) sent", request_id, trt_id)
+            ex = self._ex
+        if trt_id is None or ex is None:
+            return  # finished, or the Executor is shut down (shutdown ended it)
+        # The final response (finish reason CANCELLED) ends the request in _dispatch; a
+        # queued request is cancelled once TensorRT-LLM has admitted it.
+        try:
+            ex.cancel_request(trt_id)
+        except Exception as e:  # "Shutdown called": shutdown() is ending it
+            log.info("request %s: cancel_request(%d) not sent (%s)", request_id, trt_id, e)
+            return
+        log.info("request %s: cancel_request(%d) sent", request_id, trt_id)
 
     def stats(self) -> ExecutorStats:
         return self._stats
@@ -198,10 +235,15 @@ class TrtllmExecutor:
         # None leaves TensorRT-LLM's default (no penalty), as the neutral values mean.
         # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
         greedy = params.greedy
+        # Without a seed TensorRT-LLM seeds every request with 0, so identical prompts would
+        # get identical "random" samples (NVIDIA/TensorRT-LLM #1000, #2411).
+        seed = params.seed
+        if seed is None and not greedy:
+            seed = secrets.randbits(SEED_BITS)
         sampling = tx.SamplingConfig(
             beam_width=1, top_k=1 if greedy else params.top_k or None,
             top_p=None if greedy else float(params.top_p),
-            temperature=None if greedy else float(params.temperature), seed=params.seed,
+            temperature=None if greedy else float(params.temperature), seed=seed,
             min_tokens=params.min_tokens or None,
             repetition_penalty=_unless(params.repetition_penalty, 1.0),
             presence_penalty=_unless(params.presence_penalty, 0.0),
@@ -275,13 +317,14 @@ class TrtllmExecutor:
             self._by_request.pop(live.request_id, None)
         live.on_event(event)
 
-    def _fail_all(self, why: str) -> None:
+    def _fail_all(self, why: str, finish: FinishReason = "error") -> None:
         with self._lock:
-            self.error = why
+            if finish == "error":
+                self.error = why
             lives = list(self._live.values())
         for live in lives:
-            self._end(live, TokenEvent(live.request_id, [], "error", live.num_prompt_tokens,
-                                       error=why))
+            self._end(live, TokenEvent(live.request_id, [], finish, live.num_prompt_tokens,
+                                       error=why if finish == "error" else None))
 
     def _read_stats(self) -> None:
         """The newest IterationStats (the buffer drains on read) -> an ExecutorStats snapshot."""
@@ -340,13 +383,47 @@ class TrtllmExecutor:
             time.sleep(0.01)
         return len(ids)
 
-    def shutdown(self) -> None:
-        """Stop the await thread, then the Executor (which releases the other ranks)."""
+    def shutdown(self, cancel_wait_s: float = CANCEL_WAIT_S,
+                 shutdown_wait_s: float = SHUTDOWN_WAIT_S) -> bool:
+        """End every request, shut the Executor down (which releases the other ranks) and drop
+        it. True when Executor.shutdown() returned; False when it was still blocked after
+        `shutdown_wait_s` (the Executor is then left to the process's exit).
+
+        The leader's Executor.shutdown() blocks until every queued and active request has
+        finished, and awaiting fails once it is called: so the requests still running are
+        cancelled first, and their final responses awaited while this thread still reads
+        them (a queued one ends only after admission)."""
         with self._lock:
             self._closed = True
+            ex = self._ex
+        if ex is None:
+            return True
+        if self.num_unfinished() and self.error is None:
+            self.cancel_all(cancel_wait_s)
         self._stop.set()
         self._thread.join(timeout=max(5.0, 4 * self._poll.total_seconds()))
-        self._ex.shutdown()
+        done = threading.Event()
+
+        def _shutdown() -> None:
+            try:
+                ex.shutdown()
+            except Exception:
+                log.exception("Executor.shutdown() failed")
+            finally:
+                done.set()
+
+        threading.Thread(target=_shutdown, name="trtllm-shutdown", daemon=True).start()
+        ok = done.wait(shutdown_wait_s)
+        if not ok:
+            log.error("Executor.shutdown() still blocked after %.0f s (requests TensorRT-LLM "
+                      "did not end)", shutdown_wait_s)
+        # Whatever did not get its final response ends here, so no caller waits forever.
+        self._fail_all("the executor shut down before the request finished",
+                       finish="cancelled")
+        if ok:
+            with self._lock:
+                self._ex = None  # the caller may now let the Executor be destroyed
+        return ok
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  timeout_s: float = 600.0) -> list[tuple[list[int], str]]:

@@ -3,7 +3,10 @@
 A completion batch of P prompts with n choices each is P executor requests (`_Sub`), each
 generating n (or best_of) sequences; choice i of prompt p is index p * n + i, as in
 OpenAI's and vLLM's answers. Token events arrive on the engine thread and cross into the
-event loop through `loop.call_soon_threadsafe` into one asyncio.Queue.
+event loop through `loop.call_soon_threadsafe` into one asyncio.Queue, each with the time
+the engine produced it. A request without streaming and without stop strings has nothing
+to do with its tokens before the last: they are held on the engine thread and cross in
+one call at the end, instead of waking the event loop (and taking the GIL) every step.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Run:
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
         self.request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, TokenEvent, float]] = asyncio.Queue()
         self._last_token_at: float | None = None
         eos = () if req.ignore_eos else state.eos_token_ids()
         single = len(prompts) == 1
@@ -89,15 +92,27 @@ class Run:
         return [c for sub in self.subs for c in sub.choices]
 
     def callback(self, sub: int) -> Callable[[TokenEvent], None]:
+        hold = not self.req.stream and not self.req.stop
+        held: list[tuple[int, TokenEvent, float]] = []  # the engine thread's alone
+
         def on_event(event: TokenEvent) -> None:
             """Called on the engine thread: hand the event to the event loop, never block."""
+            item = (sub, event, time.perf_counter())
+            if hold and event.finish_reason is None:
+                held.append(item)
+                return
+            items = [*held, item]
+            held.clear()
             # RuntimeError: the loop is closed (server stopped); nobody waits for the event.
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (sub, event))
+                self.loop.call_soon_threadsafe(self._put_all, items)
         return on_event
 
-    def _observe(self, n_tokens: int, first_sequence: bool) -> None:
-        now = time.perf_counter()
+    def _put_all(self, items: list[tuple[int, TokenEvent, float]]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
+    def _observe(self, n_tokens: int, first_sequence: bool, now: float) -> None:
         metrics = self.state.metrics
         if self._last_token_at is None:
             metrics.ttft.observe(now - self.arrival)
@@ -116,7 +131,7 @@ class Run:
     async def next(self) -> tuple[_Sub, Update | None]:
         """Wait for the next engine event; the update of the choice it concerns (None when
         it concerns nothing the client sees). Raises ApiError when the request failed."""
-        p, event = await self.queue.get()
+        p, event, at = await self.queue.get()
         sub = self.subs[p]
         if sub.cancelled:
             return sub, None  # the cancelled request's last events (a batch's other prompts
@@ -141,7 +156,7 @@ class Run:
         if choice.finish is not None:
             return sub, None  # ended by a stop string; its sequence runs out unseen
         if event.token_ids and not choice.discard:
-            self._observe(len(event.token_ids), sub is self.subs[0] and event.index == 0)
+            self._observe(len(event.token_ids), sub is self.subs[0] and event.index == 0, at)
         text = ""
         if self.req.echo and event.index not in sub.echoed:
             sub.echoed.add(event.index)

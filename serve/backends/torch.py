@@ -28,15 +28,16 @@ from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
 from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure
+from serve.gates import GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
-from serve.warmup import PHASE_DONE, follow, warmup_shapes
+from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
 
 if TYPE_CHECKING:
     from serve.startup import Evidence
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
+TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
 FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"
 
@@ -189,7 +190,8 @@ class TorchBackend(Backend):
         # The package is the copy verified in gate 5, never the engine directory's file.
         step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
                                self.device, m.quant)
-        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block)
+        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
+                                  token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
         self.runner.keepalive = shard
         pkg = self.files.dir / rank_package(self.rank)
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
@@ -203,12 +205,19 @@ class TorchBackend(Backend):
             ev["driven_by"] = "rank 0"
             return
         send = self.comm.send_plan
-        if self.cfg.warmup == "auto":
-            t0 = time.perf_counter()
-            ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send)
-            ev["shapes_s"] = round(time.perf_counter() - t0, 3)
-        else:
-            ev["shapes"] = "skipped (--warmup none)"
+        try:
+            if self.cfg.warmup == "auto":
+                t0 = time.perf_counter()
+                ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send,
+                                             self.st.interrupted)
+                ev["shapes_s"] = round(time.perf_counter() - t0, 3)
+            else:
+                ev["shapes"] = "skipped (--warmup none)"
+            if self.st.interrupted():
+                raise Interrupted
+        except Interrupted:
+            send(StepPlan(PHASE_DONE))  # the other ranks stop following, then hear why
+            raise shutdown_requested("warmup") from None
         record = m.golden
         _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
                              forced=record["tokens"], send=send)

@@ -10,18 +10,29 @@ until rank 0 shuts down.
 MPI: the supervisor process bootstrapped our control plane over MPI before starting this
 worker; TensorRT-LLM then initializes MPI again in this process, as the same rank. Open MPI
 then needs this process to finalize before the supervisor does (else its finalize hangs),
-so a clean exit finalizes here, while the supervisor is alive to finalize after us.
+so a clean exit finalizes here, while the supervisor is alive to finalize after us. Before
+it does, the Executor and everything holding it are released and collected: with TP > 1 the
+Executor owns split communicators that its destructor frees with MPI_Comm_free, unchecked,
+and Open MPI aborts a process that calls MPI after MPI_Finalize.
+
+The compatible gate never lets one rank import tensorrt_llm alone: the import is an MPI
+collective (`_utils.py`), so the ranks first agree over our control plane that every one of
+them can import it. It then compares the MPI world TensorRT-LLM sees with ours: an mpirun
+that does not belong to TensorRT-LLM's libmpi starts every rank as a world of its own.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,13 +46,16 @@ from runtime.executors.trtllm import (
     construct_executor,
     kv_cache_config,
     load_model_config,
+    trtllm_missing,
+    trtllm_mpi_world,
 )
 from runtime.host import gpu_sm
+from runtime.mpi import MPIRUN_ENV, loaded_libmpi, mpi_library_version, mpirun_of
 from runtime.plan import StepPlan
 from runtime.types import SamplingParams
 from serve import floors
 from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure
+from serve.gates import GateFailure, shutdown_requested
 from serve.warmup import decode_batch_sizes
 
 if TYPE_CHECKING:
@@ -50,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("serve")
 WARMUP_DECODE_TOKENS = 4
 FINALIZE_TIMEOUT_S = 10.0
+KV_STATS_WAIT_S = 2.0  # iteration statistics reach the adapter on its next poll
 
 
 def rebuild_command(m: Manifest, tp: int | None = None, sm: str | None = None) -> str:
@@ -67,6 +82,7 @@ class TrtllmBackend(Backend):
         self.kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
         self.executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
         self.adapter: TrtllmExecutor | None = None  # rank 0 only
+        self._executor_ref: weakref.ref[Any] | None = None  # to tell that it was destroyed
         self._supervisor = os.getppid()
 
     # ---- 1 resolve ---------------------------------------------------------------------
@@ -91,18 +107,31 @@ class TrtllmBackend(Backend):
     # ---- 2 compatible ------------------------------------------------------------------
 
     def compatible(self, ev: Evidence) -> None:
-        """World size, TensorRT-LLM, TensorRT, GPU SM: every mismatch named, one line."""
+        """World size, TensorRT-LLM on every rank, the MPI world TensorRT-LLM sees, versions,
+        GPU SM: every mismatch named, one line."""
         m = self.manifest
         problems: list[str] = []
         run = f"mpirun -n {m.tp} serve launch --engine {self.cfg.engine}"
         self.check_world(f"run: {run}, or rebuild for {self.comm.size} rank(s): "
                          f"{rebuild_command(m, tp=self.comm.size)}")
+        # Importing tensorrt_llm is an MPI collective: agree first that every rank can.
+        missing = self.comm.allgather(trtllm_missing())
+        if missing[self.rank] is not None:
+            raise GateFailure("compatible", f"this is a TensorRT-LLM engine but TensorRT-LLM is "
+                              f"not installed here ({missing[self.rank]})", INSTALL)
+        others = [r for r, why in enumerate(missing) if why is not None]
+        if others:
+            raise GateFailure("compatible", f"TensorRT-LLM is not installed on rank(s) "
+                              f"{', '.join(map(str, others))} ({missing[others[0]]}), so no rank "
+                              "imports it (its import is an MPI collective every rank must join)",
+                              f"install it on every host of the job: {INSTALL}")
         try:
             import tensorrt
             import tensorrt_llm
         except ImportError as e:
-            raise GateFailure("compatible", f"this is a TensorRT-LLM engine but TensorRT-LLM is "
-                              f"not installed here ({e})", INSTALL) from None
+            raise GateFailure("compatible", f"this is a TensorRT-LLM engine but TensorRT-LLM "
+                              f"cannot be imported here ({e})", INSTALL) from None
+        self._check_mpi_world()
         have = {"tensorrt_llm": str(tensorrt_llm.__version__),
                 "tensorrt": str(tensorrt.__version__)}
         for key, name in (("tensorrt_llm", "TensorRT-LLM"), ("tensorrt", "TensorRT")):
@@ -117,8 +146,33 @@ class TrtllmBackend(Backend):
                               "to the exact GPU SM, TensorRT and TensorRT-LLM)",
                               f"rebuild the engine on this host: {rebuild_command(m, sm=sm)}")
         ev.update(world=self.comm.size, target=str(m.target), **have,
+                  mpi=mpi_library_version() or "unknown",
                   gpu=sm or "not queryable here (torch sees no CUDA device); TensorRT checks the "
                   "plan's SM when the Executor deserializes it (kernels gate)")
+
+    def _check_mpi_world(self) -> None:
+        """TensorRT-LLM's MPI world must be ours: an mpirun of another MPI than the libmpi
+        TensorRT-LLM loads starts each rank as a world of its own, and the Executor would fail
+        with "MPI worldSize is expected to be equal to tp*pp*cp"."""
+        rank, size = trtllm_mpi_world()
+        if (rank, size) == (self.rank, self.comm.size):
+            return
+        lib = loaded_libmpi()
+        version = mpi_library_version()
+        library = " ".join(filter(None, (str(lib) if lib else None,
+                                         f"({version})" if version else None))) or "unknown"
+        launcher = self.cfg.mpirun or os.environ.get(MPIRUN_ENV) or _launcher_of_this_job()
+        own = mpirun_of(lib) if lib is not None else None
+        use = (f"start the job with the mpirun of that library: serve launch --mpirun {own} "
+               f"--engine {self.cfg.engine} (or {MPIRUN_ENV}={own}, or `{own} -n "
+               f"{self.comm.size} serve launch ...`)" if own is not None else
+               f"start the job with the mpirun that belongs to that library (serve launch "
+               f"--mpirun PATH, or {MPIRUN_ENV})")
+        raise GateFailure(
+            "compatible", f"TensorRT-LLM's MPI sees this process as rank {rank} of a world of "
+            f"{size}, but this job is rank {self.rank} of {self.comm.size}: the mpirun that "
+            f"started it ({launcher or 'unknown'}) does not belong to the MPI library "
+            f"TensorRT-LLM loaded ({library})", use)
 
     # ---- 3 reserve ---------------------------------------------------------------------
 
@@ -190,6 +244,10 @@ class TrtllmBackend(Backend):
                 f"{m.toolchain.get('tensorrt_llm')}; if this host differs, rebuild it here: "
                 f"{rebuild_command(m)}") from None
         secs = time.perf_counter() - t0
+        try:
+            self._executor_ref = weakref.ref(self.executor)
+        except TypeError:  # a binding type without weak references: unchecked
+            self._executor_ref = None
         leader = bool(self.executor.can_enqueue_requests())
         ranks = self.comm.allgather({"rank": self.rank, "leader": leader,
                                      "seconds": round(secs, 3)})
@@ -212,11 +270,14 @@ class TrtllmBackend(Backend):
         assert adapter is not None and cfg is not None
         p, vocab = m.profile, cfg.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(p.max_seq_len)]
+        self._check_kv_cache(ev, prompt[:1])
         if self.cfg.warmup == "auto":
             # Largest first: a full-budget prefill, then decode batches max, ..., 2, 1.
             shapes: list[dict[str, Any]] = []
             n = max(1, min(p.max_num_tokens, p.max_seq_len - 1 - WARMUP_DECODE_TOKENS))
             for batch, length in [(1, n), *((b, 8) for b in decode_batch_sizes(p.max_batch_size))]:
+                if self.st.interrupted():  # a stop signal waits for one shape, not all
+                    raise shutdown_requested("warmup")
                 sp = SamplingParams(max_tokens=WARMUP_DECODE_TOKENS, temperature=0.0,
                                     ignore_eos=True)
                 t0 = time.perf_counter()
@@ -233,14 +294,36 @@ class TrtllmBackend(Backend):
         else:
             ev["shapes"] = "skipped (--warmup none)"
         self._golden(ev)
+
+    def _check_kv_cache(self, ev: Evidence, prompt: list[int]) -> None:
+        """One token through the Executor, then the KV cache it allocated (from its iteration
+        statistics) must hold one max_seq_len sequence. TensorRT-LLM does not refuse a smaller
+        cache: it shrinks max_seq_len and max_input_len at construction, with a warning, and
+        then rejects the longer prompts one by one."""
+        m, adapter = self.manifest, self.adapter
+        assert adapter is not None
+        p = m.profile
+        try:
+            adapter.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0,
+                                                       ignore_eos=True)])
+        except (RuntimeError, TimeoutError, ValueError) as e:
+            raise GateFailure("warmup", f"a one-token request failed: {e}",
+                              "see the worker log") from None
+        deadline = time.monotonic() + KV_STATS_WAIT_S
         st = adapter.stats()
+        while not st.kv_blocks_total and time.monotonic() < deadline:
+            time.sleep(0.01)
+            st = adapter.stats()
         tpb = int(st.extra.get("kv_tokens_per_block", p.tokens_per_block))
         kv_tokens = st.kv_blocks_total * tpb
         self.st.log.amend("allocate", blocks=st.kv_blocks_total, tokens=kv_tokens)
+        ev["kv_cache_tokens"] = kv_tokens or "not reported by TensorRT-LLM"
         if st.kv_blocks_total and kv_tokens < p.max_seq_len:
             raise GateFailure("warmup", f"the KV cache TensorRT-LLM allocated holds {kv_tokens} "
-                              f"tokens, less than one {p.max_seq_len}-token sequence",
-                              "raise --kv-cache-fraction or --kv-cache-tokens, or free GPU memory")
+                              f"tokens, less than one {p.max_seq_len}-token sequence (it would "
+                              f"serve at most {kv_tokens} tokens per sequence)",
+                              "raise --kv-cache-fraction or --kv-cache-tokens, free GPU memory, "
+                              "or rebuild with a smaller --max-seq-len")
 
     def _golden(self, ev: Evidence) -> None:
         m, adapter = self.manifest, self.adapter
@@ -277,11 +360,13 @@ class TrtllmBackend(Backend):
         left = self.adapter.cancel_all()
         # Tell the other ranks this is an orderly end before their shutdown() returns.
         self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
-        try:
-            self.adapter.shutdown()
+        # Cancels what is still queued or running and waits for it: the leader's
+        # Executor.shutdown() blocks until no request is left.
+        if self.adapter.shutdown():
             log.info("Executor shut down (rank 0, the leader); the other ranks are released")
-        except Exception:
-            log.exception("Executor.shutdown() failed")
+            self.executor = None
+        else:
+            log.error("Executor.shutdown() did not return; the other ranks may wait for it")
         return left
 
     def follow(self, exit_now: Callable[[int], None]) -> int:
@@ -292,11 +377,39 @@ class TrtllmBackend(Backend):
         log.info("Executor constructed (not the leader); blocking in Executor.shutdown() until "
                  "rank 0 shuts down")
         self.executor.shutdown()
+        self.executor = None
         log.info("Executor.shutdown() returned; exiting")
         return 0
 
+    def release(self) -> bool:
+        """Drop every reference to the Executor and collect, so that its destructor (which
+        frees its MPI communicators) runs now, while MPI is up. False when an Executor is
+        still alive afterwards (something outside this backend holds it)."""
+        if self.adapter is not None:
+            self.adapter.shutdown(cancel_wait_s=0.0)  # done by close(): drops its reference
+        self.executor = None  # the last reference: the Executor is destroyed here
+        alive = self._executor_ref is not None and self._executor_ref() is not None
+        if alive:  # held by a reference cycle: collect it
+            gc.collect()
+            alive = self._executor_ref() is not None
+        if alive:
+            log.error("the TensorRT-LLM Executor is still referenced before MPI_Finalize; its "
+                      "destructor would free MPI communicators after it")
+        return not alive
+
     def finalize(self) -> None:
+        self.release()
         finalize_mpi(self._supervisor)
+
+
+def _launcher_of_this_job() -> str | None:
+    """The program that started our supervisor (mpirun, or its prted/orted daemon)."""
+    try:
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+        launcher = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, ppid
+        return os.readlink(f"/proc/{launcher}/exe")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def finalize_mpi(supervisor_pid: int) -> None:

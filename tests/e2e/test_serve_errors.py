@@ -165,6 +165,9 @@ def test_client_disconnect_mid_stream_cancels_the_request(server: Server) -> Non
         assert time.monotonic() - closed < 1.5, "the request was not cancelled"
         time.sleep(0.05)
     assert _metric(text, "llmserve_kv_cache_usage_ratio") == 0  # its KV blocks are free
+    # None in use; its full blocks stay in the prefix cache, reported apart.
+    assert _metric(text, "llmserve_kv_cache_blocks", state="used") == 0
+    assert _metric(text, "llmserve_kv_cache_blocks", state="cached") > 0
     again = server.client().completions.create(model=MODEL, prompt="The quick", max_tokens=3)
     assert again.usage.completion_tokens == 3
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -140,9 +141,37 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
         assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - killed))) != 0
         assert time.monotonic() - killed < 10
         assert srv.run_file(0, "exit") not in (None, 0), srv.logs()
+        # The dead rank's supervisor names the cause; mpirun forwards it to our stderr.
+        assert re.search(r"error: rank 1: its serving process \(pid \d+\) was killed by "
+                         r"SIGKILL", srv.stderr()), srv.logs()
         long.join(10)
         assert not long.is_alive(), "the client of the dead job hangs"
-        assert long.error is not None or long.completion_tokens is None
+        # Answered, not dropped: the stream ends with an error event, not a broken connection.
+        assert isinstance(long.error, openai.APIError), long.error
+        assert not isinstance(long.error, openai.APIConnectionError), long.error
+        assert "generation failed" in str(long.error), long.error
+    finally:
+        srv.close()
+
+
+def test_sigterm_during_start_up_ends_the_job_at_once_and_never_opens_admission(
+        engine_dir: Path, tmp_path: Path) -> None:
+    srv = launch(engine_dir, tmp_path, prefix=())  # our launcher owns mpirun (a container)
+    try:
+        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")  # the gates start now
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        ready: list[int | None] = []
+        while srv.proc.poll() is None and time.monotonic() - signalled < 10:
+            ready.append(srv.probe().ready)
+        assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - signalled))) == 1, srv.logs()
+        assert time.monotonic() - signalled < 10
+        assert 200 not in ready, ready
+        assert srv.wait_exit_codes(2, 5) == {0: 1, 1: 1}, srv.logs()
+        rank0 = (srv.run_dir / "rank0.log").read_text()
+        assert "shutdown requested before admission" in rank0, rank0[-2000:]
+        assert "admission open" not in rank0
+        assert "Traceback" not in srv.stderr()
     finally:
         srv.close()
 

@@ -84,15 +84,22 @@ _BUILD = [
           "lora_config=None, input_timing_cache=None, output_timing_cache='model.cache', "
           "weight_streaming=False, use_strip_plan=False, use_refit=False",
           note="pydantic (keyword-only, unknown fields rejected); max_* defaults are the CLI's "
-          "[version unverified]; kv_cache_type None means PAGED; other defaults not given"),
+          "[version unverified]; kv_cache_type None means PAGED, else a KVCacheType: the fake "
+          "refuses a plain string (only the pydantic form converts it; in the dataclass form "
+          "of earlier 1.x it silently disables the paged cache); build() writes "
+          "output_timing_cache relative to the working directory; other defaults not given"),
     Entry(f"{B}.BuildConfig.model_fields", "value", ref="§1.2"),
+    Entry(f"{T}.llmapi.kv_cache_type.KVCacheType", "enum", ref="kv_cache_type.py@b35ac1b6",
+          members=_f("CONTINUOUS", "PAGED", "DISABLED"),
+          note="str enum, case-insensitive lookup; read from the source, not in "
+          "shared/reference"),
     Entry(f"{T}.plugin.plugin.PluginConfig", "class", ref="§1.2",
           sig="*, gemm_plugin=None, gpt_attention_plugin='auto', nccl_plugin='auto', "
           "context_fmha=True, remove_input_padding=True, use_paged_context_fmha=True, "
           "multiple_profiles=False, tokens_per_block=32, reduce_fusion=False, "
           "use_fused_mlp=True",
           note="fields = the documented plugin flags; reduce_fusion/use_fused_mlp defaults "
-          "not given"),
+          "not given; unknown keys are ignored, not refused (read back what you set)"),
     Entry(f"{T}.plugin.PluginConfig", "alias", target=f"{T}.plugin.plugin.PluginConfig",
           ref="-", documented=False),
     Entry(f"{B}.build", "function", sig="model, build_config", ref="§1.2"),
@@ -138,7 +145,8 @@ _CONFIGS = [
           "none"),
     Entry(f"{X}.SchedulerConfig", "class", ref="§2.1",
           sig="capacity_scheduler_policy=CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "
-          "context_chunking_policy=None, dynamic_batch_config=None"),
+          "context_chunking_policy=None, dynamic_batch_config=None",
+          note="fields are read-only after construction"),
     Entry(f"{X}.KvCacheConfig", "class", ref="§2.1",
           sig="enable_block_reuse=True, max_tokens=None, max_attention_window=None, "
           "sink_token_length=None, free_gpu_memory_fraction=None, host_cache_size=None, "
@@ -166,12 +174,14 @@ _REQUESTS = [
           "pad_id=None, position_ids=None, bad_words=None, stop_words=None, client_id=None, "
           "return_all_generated_tokens=False, priority=0.5, num_return_sequences=1, "
           "guided_decoding_params=None, allotted_time_ms=None",
-          note="no max_new_tokens; stop_words/bad_words are lists of token-id lists"),
+          note="no max_new_tokens; max_tokens is read-only once constructed; "
+          "stop_words/bad_words are lists of token-id lists"),
     Entry(f"{X}.SamplingConfig", "class", ref="§2.1", open=True,
           sig="beam_width=1, *, top_k=None, top_p=None, temperature=None, min_tokens=None, "
           "repetition_penalty=None, presence_penalty=None, frequency_penalty=None, "
           "length_penalty=None, seed=None, num_return_sequences=None, min_p=None",
-          note="keyword defaults (None) not given in the reference"),
+          note="keyword defaults (None) not given in the reference; seed None means seed 0 "
+          "(NVIDIA/TensorRT-LLM #1000, #2411): draw one per request"),
     Entry(f"{X}.OutputConfig", "class", ref="§2.1",
           sig="return_log_probs=False, return_context_logits=False, "
           "return_generation_logits=False, exclude_input_from_output=False, "
@@ -224,6 +234,18 @@ _EXECUTOR = [
     Entry(f"{E}.__exit__", "method", ref="§2.1"),
 ]
 
+U = f"{T}._utils"
+_MPI = [  # tensorrt_llm/_utils.py at 1.2.0rc2 (b35ac1b6), read from the source: not in the
+    # shared reference. Importing tensorrt_llm runs `local_comm = mpi_comm().Split_type(...)`.
+    *(Entry(f"{U}.{fn}", "function", sig="", ref="_utils.py@b35ac1b6",
+            note="the MPI world as TensorRT-LLM's libmpi sees it")
+      for fn in ("mpi_comm", "mpi_rank", "mpi_world_size", "global_mpi_rank", "global_mpi_size",
+                 "local_mpi_rank", "local_mpi_size")),
+    Entry(f"{U}.local_comm", "value", ref="_utils.py@b35ac1b6",
+          note="made by a COMM_WORLD collective at import time"),
+    Entry(f"{U}.OMPI_COMM_TYPE_HOST", "value", ref="_utils.py@b35ac1b6"),
+]
+
 _NOT_FAKED = [
     Entry(f"{T}.LLM", "class", ref="§2.3", faked=False, note="PyTorch-backend LLM API"),
     Entry(f"{T}._tensorrt_engine.LLM", "class", ref="§2.3", faked=False),
@@ -237,7 +259,8 @@ _NOT_FAKED = [
 ]
 
 ENTRIES: tuple[Entry, ...] = (
-    *_TOP, *_CHECKPOINT, *_BUILD, *_ENUMS, *_CONFIGS, *_REQUESTS, *_EXECUTOR, *_NOT_FAKED
+    *_TOP, *_CHECKPOINT, *_BUILD, *_ENUMS, *_CONFIGS, *_REQUESTS, *_EXECUTOR, *_MPI,
+    *_NOT_FAKED
 )
 
 # trtllm-build flags the reference documents (§1.2); LoRA and speculative flags are not.

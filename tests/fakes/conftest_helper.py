@@ -108,6 +108,9 @@ def build_engine(ckpt: Path, out: Path, **build_config: Any) -> Path:
     from tensorrt_llm.builder import build
     from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
 
+    # TensorRT's timing cache beside the engine, never in the working directory.
+    build_config.setdefault("output_timing_cache", str(out.parent / f"{out.name}.timing"))
+    build_config.setdefault("input_timing_cache", build_config["output_timing_cache"])
     base = PretrainedConfig.from_checkpoint(ckpt)
     for rank in range(base.mapping.world_size):
         cfg = copy.deepcopy(base)

@@ -25,10 +25,13 @@ def make_engine(path: Path, num_blocks: int = 128, max_batch: int = 16, max_toke
     return LLMEngine(runner, sc)
 
 
+@pytest.mark.parametrize("bucket", [1, 16])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_logit_parity_prefill_and_mixed_decode(tiny_models: dict[str, Path], kind: str) -> None:
+def test_logit_parity_prefill_and_mixed_decode(tiny_models: dict[str, Path], kind: str,
+                                               bucket: int) -> None:
     path = tiny_models[kind]
     runner, _ = runner_from_checkpoint(path, TPContext(), "float32", 64, BLOCK)
+    runner.token_bucket = bucket  # 16: steps padded with dummy tokens, same logits
     a, b, c = [1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1], [7, 7, 7, 1, 2]
     ids, logits = runner.execute(StepPlan(0, new_seqs=[NewSeq(0, a), NewSeq(1, b)], scheduled=[
         ScheduledSeq(0, 0, 7, [1, 2], True), ScheduledSeq(1, 0, 11, [3, 4, 5], True)]))

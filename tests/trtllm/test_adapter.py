@@ -75,6 +75,30 @@ def test_request_mapping(adapter: Any) -> None:
                                                       ignore_eos=True))
     assert greedy.sampling_config.top_k == 1 and greedy.end_id is None
     assert greedy.stop_words is None
+    # No seed from the client: a fresh one per request, never TensorRT-LLM's default (0).
+    seeds = {adapter.make_request([1], SamplingParams(max_tokens=2, temperature=0.7))
+             .sampling_config.seed for _ in range(4)}
+    assert None not in seeds and 0 not in seeds and len(seeds) == 4
+    assert all(0 < s < 2**64 for s in seeds)
+
+
+def _sample(adapter: Any, prompt: list[int], **params: Any) -> list[int]:
+    sink = _Sink()
+    adapter.add_request(f"s{id(sink)}", prompt,
+                        SamplingParams(max_tokens=16, ignore_eos=True, **params), sink)
+    assert sink.done.wait(10)
+    return sink.tokens
+
+
+def test_sampling_without_a_seed_is_random(adapter: Any) -> None:
+    """TensorRT-LLM seeds a request without a seed with 0 (the fake does too): identical
+    prompts would get identical "random" samples unless the adapter draws a seed."""
+    prompt = [5, 17, 33, 2]
+    a, b = (_sample(adapter, prompt, temperature=1.0, top_k=50) for _ in range(2))
+    assert len(a) == len(b) == 16 and a != b
+    # A seed the client gives is honoured: the same seed, the same sample.
+    c, d = (_sample(adapter, prompt, temperature=1.0, top_k=50, seed=7) for _ in range(2))
+    assert c == d
 
 
 def test_stop_word_ends_the_request(adapter: Any, engine_tp1: Path) -> None:
@@ -148,3 +172,29 @@ def test_refused_enqueue_is_a_value_error(trtllm_fake: ModuleType, engine_tp1: P
     a.shutdown()
     with pytest.raises(ValueError, match="shutting down"):
         a.add_request("x", [1], SamplingParams(), _Sink())
+
+
+def test_shutdown_ends_running_requests_promptly(trtllm_fake: ModuleType, engine_tp1: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's Executor.shutdown() blocks until every queued and active request has
+    finished: shutdown() must cancel them first (and a queued one ends only once admitted),
+    deliver their final events, then drop the Executor."""
+    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "20")
+    ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))
+    a = TrtllmExecutor(ex, eos_token_ids=(EOS,), pad_id=EOS)
+    sinks = [_Sink() for _ in range(6)]  # max_batch_size is 4: two wait in the queue
+    for i, sink in enumerate(sinks):
+        a.add_request(f"long{i}", [3, 4], SamplingParams(max_tokens=250, ignore_eos=True,
+                                                         temperature=0.0), sink)
+    while len(sinks[0].tokens) < 3:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert a.shutdown() is True
+    took = time.monotonic() - t0
+    assert took < 4, f"shutdown took {took:.1f} s: it waited for 250-token requests to finish"
+    assert all(s.done.is_set() for s in sinks)
+    assert {s.events[-1].finish_reason for s in sinks} == {"cancelled"}
+    assert a.num_unfinished() == 0 and a._ex is None  # the Executor can be destroyed now
+    a.cancel("long0")  # after shutdown: nothing to do, no error

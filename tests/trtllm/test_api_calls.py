@@ -129,10 +129,12 @@ def test_every_tensorrt_llm_call_is_in_the_reference(trtllm_fake: ModuleType) ->
         "Executor.can_enqueue_requests", "Request", "SamplingConfig", "OutputConfig",
         "KvCacheConfig", "ExecutorConfig", "SchedulerConfig", "ParallelConfig",
         "Response.has_error", "tensorrt_llm.Mapping", "tensorrt_llm.BuildConfig",
-        "tensorrt_llm.models.LLaMAForCausalLM.from_hugging_face",
-        "tensorrt_llm.models.LLaMAForCausalLM.save_checkpoint", "tensorrt_llm.builder.build",
+        "tensorrt_llm.models.LLaMAForCausalLM.from_hugging_face", "tensorrt_llm.builder.build",
         "tensorrt_llm.builder.Engine.save", "tensorrt_llm.plugin.plugin.PluginConfig",
+        "tensorrt_llm._utils.mpi_rank", "tensorrt_llm._utils.mpi_world_size",
     } <= calls, sorted(calls)
+    # The converted model is built in memory: a checkpoint written beside it was never read.
+    assert "tensorrt_llm.models.LLaMAForCausalLM.save_checkpoint" not in calls
     attrs = {u.name for u in uses if u.kind == "attr"}
     assert {"tensorrt_llm.__version__", "tensorrt.__version__", f"{X}.Result.output_token_ids",
             f"{X}.KvCacheStats.max_num_blocks", f"{X}.ModelType.DECODER_ONLY"} <= attrs
@@ -147,3 +149,14 @@ def test_the_listing_catches_a_wrong_call(trtllm_fake: ModuleType, tmp_path: Pat
            Use("x", 4, f"{X}.Result.tokens", "attr"),
            Use("x", 5, "tensorrt_llm.plugin.PluginConfig", "call", 0, ())]
     assert [u.line for u in bad if _check(api_surface, u) is None] == []
+
+
+def test_build_config_keeps_the_default_kv_cache_and_times_kernels_once(
+        trtllm_fake: ModuleType) -> None:
+    """kv_cache_type stays unset (PAGED): the string "paged" only works where BuildConfig is
+    pydantic; the timing cache is named (the staging directory), never BuildConfig's default
+    `model.cache` in the working directory."""
+    [call] = [u for u in _uses("pipeline/compile/trtllm.py")
+              if u.name == "tensorrt_llm.BuildConfig"]
+    assert "kv_cache_type" not in call.keywords
+    assert {"input_timing_cache", "output_timing_cache"} <= set(call.keywords)

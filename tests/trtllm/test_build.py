@@ -124,3 +124,59 @@ def test_non_llama_checkpoint_is_refused(tmp_path: Path, trtllm_fake: ModuleType
     rc, _, err = _cli(capsys, ckpt, "--tp", "1", "--target", "sm_90", "--store", tmp_path / "e")
     assert rc == 2
     assert "converts Llama-family checkpoints only" in _one_error_line(err)
+
+
+def test_kernels_are_timed_once_and_nothing_lands_outside_the_engine(
+        chat_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT's timing cache lives in the staging directory: rank 0 times the kernels, rank 1
+    reuses the timings, and neither `model.cache` (BuildConfig's default, relative to the
+    working directory) nor a checkpoint nobody reads is written anywhere."""
+    from pipeline.build import build_engine
+    from tests.trtllm.conftest import FAKES, fake_env, helper
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for key, value in helper.DEFAULT_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])  # the golden run's children
+    helper.purge_fake_modules()
+    monkeypatch.syspath_prepend(str(FAKES))
+    try:
+        from tensorrt_llm._fake.engine_file import read_engine_file
+        from tensorrt_llm.models import LLaMAForCausalLM
+
+        saved: list[str] = []
+        real_save = LLaMAForCausalLM.save_checkpoint
+        monkeypatch.setattr(LLaMAForCausalLM, "save_checkpoint",
+                            lambda self, out, /, save_config: (saved.append(out),
+                                                               real_save(self, out,
+                                                                         save_config=save_config)))
+        cfg = BuildConfig(model=str(chat_ckpt), tp=2, backend="trtllm", target="sm_90",
+                          profile=BuildProfile(max_batch_size=2, max_num_tokens=64,
+                                               max_seq_len=128),
+                          store=str(tmp_path / "store"))
+        engine = build_engine(cfg).engine_dir
+        timed = [read_engine_file(engine / f"rank{r}.engine")["kernels_timed"] for r in (0, 1)]
+    finally:
+        helper.purge_fake_modules()
+    assert timed == [True, False]  # rank 1 was built from rank 0's timing cache
+    assert saved == []  # no checkpoint written: the in-memory model is what gets built
+    assert list(cwd.iterdir()) == []  # no model.cache in the working directory
+    listed = {f.path for f in read_manifest(engine).files}
+    assert not any("cache" in p or "checkpoint" in p for p in listed), listed
+    assert {p.name for p in engine.iterdir()} >= {"rank0.engine", "rank1.engine"}
+    assert not any(p.name.startswith(".") for p in engine.iterdir())
+
+
+def test_trtllm_extra_lets_tensorrt_llm_choose_its_tensorrt() -> None:
+    """1.2.1 needs TensorRT 10.14 where 1.2.0rc2 pinned 10.13: a TensorRT pin of ours beside
+    `tensorrt_llm==1.2.*` makes pip refuse (or pick an older 1.2.x). The installed versions are
+    recorded in the manifest and checked by the compatible gate instead."""
+    import tomllib
+
+    from tests.conftest import REPO
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["trtllm"]
+    assert extras == ["tensorrt_llm==1.2.*"]

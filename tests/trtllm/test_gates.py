@@ -139,3 +139,17 @@ def test_unknown_backend_is_refused_at_resolve(engine_tp1: Path, tmp_path: Path)
     m = json.loads((eng / "manifest.json").read_text())
     (eng / "manifest.json").write_text(json.dumps({**m, "backend": "onnx"}))
     _fails(eng, "resolve", "the engine's backend 'onnx' cannot be served", "--backend aoti")
+
+
+def test_kv_cache_smaller_than_a_sequence_fails_warmup_naming_it(
+        trtllm_fake: ModuleType, engine_tp1: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """TensorRT-LLM does not refuse a KV cache that cannot hold one max_seq_len sequence: it
+    shrinks max_seq_len and max_input_len at construction, with a warning, and later rejects
+    long prompts one by one. The warmup gate names the cache before any long prompt runs."""
+    # 80 GiB x 5e-7 of a fraction = ~43 kB: ~160 tokens of this engine's KV at 256 B/token.
+    msg = _fails(engine_tp1, "warmup", "the KV cache TensorRT-LLM allocated holds",
+                 "less than one 256-token sequence", "--kv-cache-fraction",
+                 kv_cache_fraction=5e-7)
+    assert "exceeds maximum input length" not in msg
+    err = capfd.readouterr().err
+    assert "maxAttentionWindow and maxSequenceLen are too large" in err  # TensorRT-LLM's log

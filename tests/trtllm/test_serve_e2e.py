@@ -219,3 +219,44 @@ def test_missing_tensorrt_llm_at_serve(engine_tp2: Path, tmp_path: Path) -> None
         assert "gate compatible failed: this is a TensorRT-LLM engine but TensorRT-LLM is not "\
                "installed here" in line
         assert "pip install '.[trtllm]'" in line and "NVIDIA GPU" in line
+
+
+def test_launcher_of_another_mpi_fails_compatible(engine_tp2: Path, tmp_path: Path) -> None:
+    """An mpirun that does not belong to TensorRT-LLM's libmpi (Open MPI 5's mpirun, Open MPI
+    4.1's libmpi) starts every rank as a world of its own: the fake plays it with
+    FAKE_TRTLLM_MPI=singleton. The compatible gate names the mismatch and the mpirun to use,
+    instead of the Executor failing in the kernels gate with "MPI worldSize is expected..."."""
+    errors = _refused(engine_tp2, 2, fake_env(FAKE_TRTLLM_MPI="singleton"), tmp_path)
+    for line in errors:
+        assert "gate compatible failed: TensorRT-LLM's MPI sees this process as rank 0 of a " \
+               "world of 1, but this job is rank" in line, line
+        assert "does not belong to the MPI library TensorRT-LLM loaded" in line
+        assert "--mpirun" in line and "MPI worldSize" not in line
+    assert any("this job is rank 1 of 2" in line for line in errors)
+
+
+def test_rank_without_tensorrt_llm_stops_every_rank_before_any_import(
+        engine_tp2: Path, tmp_path: Path) -> None:
+    """`import tensorrt_llm` is an MPI collective (`_utils.py` splits COMM_WORLD): if rank 1
+    cannot import it, rank 0 must not import it either, or it blocks in its import (the fake
+    times out after FAKE_TRTLLM_COLLECTIVE_TIMEOUT_S where the real one hangs). The ranks agree
+    over the control plane first; every rank fails the compatible gate, naming rank 1."""
+    env = fake_env(FAKE_TRTLLM_COLLECTIVE_TIMEOUT_S="10")
+    port = free_port()
+    app = [sys.executable, "-m", "serve", "launch", "--engine", str(engine_tp2), "--port",
+           str(port), "--run-dir", str(tmp_path / "run")]
+    # MPMD: rank 0 with the fake on PYTHONPATH, rank 1 without it.
+    cmd = [*mpirun_cmd(1), *app, ":", "-n", "1", "env",
+           f"PYTHONPATH={no_fake_env()['PYTHONPATH']}", *app]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in log, log
+    assert time.monotonic() - t0 < 60, log
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2, log
+    rank1 = next(ln for ln in errors if "rank 1:" in ln.split("gate")[0])
+    rank0 = next(ln for ln in errors if ln is not rank1)
+    assert "TensorRT-LLM is not installed here" in rank1, rank1
+    assert "gate compatible failed: TensorRT-LLM is not installed on rank(s) 1" in rank0, rank0
+    assert "import-time MPI collective" not in log

@@ -54,3 +54,40 @@ def test_a_refusal_fails_its_gate_with_its_cause_and_remedy() -> None:
     assert gate["reason"] == "config.json is not listed — rebuild it"
     log.amend("resolve", note="later")
     assert log.evidence("resolve") == {"engine": "x", "note": "later"}
+
+
+class _Runner:
+    """What warmup_shapes needs of a ModelRunner: it records the plans it runs."""
+
+    def __init__(self) -> None:
+        self.executed: list[object] = []
+
+    def execute(self, plan: object) -> None:
+        self.executed.append(plan)
+
+    def apply(self, plan: object) -> None:
+        pass
+
+
+def test_a_stop_signal_ends_warmup_between_two_shapes() -> None:
+    from contract.profile import BuildProfile
+    from serve.gates import shutdown_requested
+    from serve.warmup import Interrupted, warmup_shapes
+
+    profile = BuildProfile(max_batch_size=8, max_num_tokens=64, max_seq_len=128,
+                           tokens_per_block=16)
+    full = warmup_shapes(_Runner(), profile, 64, lambda plan: None)  # type: ignore[arg-type]
+    assert [s["shape"] for s in full] == ["prefill 64 tokens", "decode batch 8",
+                                          "decode batch 4", "decode batch 2", "decode batch 1"]
+    runner, sent, stop = _Runner(), [], threading.Event()
+
+    def send(plan: object) -> None:
+        sent.append(plan)
+        if len(sent) == 3:  # SIGTERM while the first decode shape runs
+            stop.set()
+
+    with pytest.raises(Interrupted):
+        warmup_shapes(runner, profile, 64, send, stop.is_set)  # type: ignore[arg-type]
+    assert len(runner.executed) == 2  # the shape running when it came finished; no other
+    e = shutdown_requested("warmup")
+    assert (e.gate, e.cause) == ("warmup", "shutdown requested before admission")

@@ -136,20 +136,24 @@ def test_registered_block_is_shared_and_survives_free_until_evicted() -> None:
     assert bm.cached_block(h, [5, 7]) is None  # tokens are compared, not only the hash
     bm.acquire(b)  # a second holder
     assert bm.ref_count(b) == 2
+    assert bm.num_cached_free == 0  # cached but held
     bm.free([b])
     bm.free([b])
     bm.check_integrity()
     assert bm.num_free == 3 and bm.num_cached == 1
+    assert (bm.num_used, bm.num_cached_free) == (0, 1)  # nothing held, one block kept
     # Free but cached: a hit takes it back out of the free list.
     assert bm.cached_block(h, [5, 6]) == b
     bm.acquire(b)
     bm.check_integrity()
-    assert bm.num_used == 1 and bm.ref_count(b) == 1
+    assert bm.num_used == 1 and bm.ref_count(b) == 1 and bm.num_cached_free == 0
     bm.free([b])
+    assert bm.num_cached_free == 1
     # Allocating everything evicts it.
     bm.allocate(3)
     bm.check_integrity()
     assert bm.cached_block(h, [5, 6]) is None and bm.num_cached == 0
+    assert bm.num_cached_free == 0
 
 
 def test_duplicate_content_is_registered_once() -> None:

@@ -77,6 +77,9 @@ EXPECTED = {
     "llmserve_num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", ()),
     "llmserve_kv_cache_usage_ratio":
         ("gauge", "Fraction of paged KV-cache blocks in use (0 to 1).", ()),
+    "llmserve_kv_cache_blocks":
+        ("gauge", "Paged KV-cache blocks by state: used (held by requests), cached (prefix "
+         "cache, held by none, reusable), free.", ("state",)),
     "llmserve_startup_gate_seconds":
         ("gauge", "Duration of each startup readiness gate.", ("gate",)),
     "llmserve_num_preemptions_total":
@@ -114,7 +117,7 @@ def test_names_types_help_and_label_names() -> None:
     for name, (kind, _, labelnames) in EXPECTED.items():
         assert f"# TYPE {name} {kind}" in lines  # counters are typed under their _total name
         sample = f"{name}_count" if kind == "histogram" else name
-        assert [tuple(lab) for lab in page.labels(sample)] == [labelnames], name
+        assert {tuple(lab) for lab in page.labels(sample)} == {labelnames}, name
     # No `_created` series: the page has the same samples as before prometheus_client.
     assert not any("_created" in line for line in lines)
 
@@ -125,6 +128,8 @@ def test_unlabelled_series_start_at_zero_and_labelled_ones_appear_when_used() ->
                  "llmserve_prompt_tokens_total", "llmserve_time_to_first_token_seconds_count",
                  "llmserve_e2e_request_latency_seconds_sum"):
         assert page.value(name) == 0.0, name
+    for state in ("used", "cached", "free"):  # known label values start at zero too
+        assert page.value("llmserve_kv_cache_blocks", state=state) == 0.0, state
     for name in ("llmserve_startup_gate_seconds", "llmserve_request_success_total",
                  "llmserve_http_requests_total"):
         assert page.labels(name) == [], name
@@ -164,7 +169,7 @@ def test_bucket_boundaries_are_unchanged() -> None:
 def test_scrape_refresh_sets_gauges_and_gate_seconds() -> None:
     m = ServingMetrics()
     stats = ExecutorStats(running=3, waiting=2, kv_blocks_total=10, kv_blocks_used=4,
-                          preemptions_total=7)
+                          kv_blocks_cached=1, preemptions_total=7)
     gates = [{"name": "load", "seconds": 1.5}, {"name": "warmup", "seconds": None},
              {"name": "flag", "seconds": True}]
     m.refresh(stats, gates)
@@ -172,15 +177,23 @@ def test_scrape_refresh_sets_gauges_and_gate_seconds() -> None:
     assert page.value("llmserve_num_requests_running") == 3
     assert page.value("llmserve_num_requests_waiting") == 2
     assert page.value("llmserve_kv_cache_usage_ratio") == pytest.approx(0.4)
+    assert page.types["llmserve_kv_cache_blocks"] == "gauge"
+    blocks = {state: page.value("llmserve_kv_cache_blocks", state=state)
+              for state in ("used", "cached", "free")}
+    assert blocks == {"used": 4, "cached": 1, "free": 5}  # they add up to the total
     assert page.value("llmserve_num_preemptions_total") == 7
     # Only gates that ran (a number of seconds, not None nor a bool) get a series.
     assert page.labels("llmserve_startup_gate_seconds") == [{"gate": "load"}]
     assert page.value("llmserve_startup_gate_seconds", gate="load") == 1.5
 
-    m.refresh(ExecutorStats(running=0, waiting=0, kv_blocks_total=10), [])
+    m.refresh(ExecutorStats(running=0, waiting=0, kv_blocks_total=10, kv_blocks_cached=3), [])
     page = parse(render(m))
     assert page.value("llmserve_num_requests_running") == 0
     assert page.value("llmserve_kv_cache_usage_ratio") == 0
+    # Idle: nothing in use, the prefix cache still reported apart from the free blocks.
+    assert page.value("llmserve_kv_cache_blocks", state="used") == 0
+    assert page.value("llmserve_kv_cache_blocks", state="cached") == 3
+    assert page.value("llmserve_kv_cache_blocks", state="free") == 7
     assert page.value("llmserve_startup_gate_seconds", gate="load") == 1.5  # kept
 
 

@@ -513,8 +513,13 @@ def test_prefix_cache_hits_share_full_blocks() -> None:
     assert plan.scheduled[1].new_block_ids[:2] == shared
     assert [sched.block_manager.ref_count(b) for b in shared] == [2, 2]
     assert sched.stats().prefix_cache_hits_total == 8
+    assert sched.stats().kv_blocks_cached == 0  # every cached block is held
     while sched.has_unfinished():
         step(sched)
+    # Nothing is in use once both finished; their full blocks stay in the prefix cache.
+    stats = sched.stats()
+    assert (stats.kv_blocks_used, stats.kv_blocks_cached) == (0, sched.block_manager.num_cached)
+    assert stats.kv_blocks_cached >= 2
     # Freed blocks stay cached; a prompt that is all cache still computes its last block.
     add(sched, 2, prompt[:8], max_tokens=1)
     plan, _ = step(sched)

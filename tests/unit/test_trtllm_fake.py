@@ -152,7 +152,7 @@ def test_engine_layout_and_build_defaults(trtllm_fake: ModuleType, tmp_path: Pat
     assert set(cfg) == {"version", "pretrained_config", "build_config"}
     bc = cfg["build_config"]
     assert bc["max_seq_len"] == 512 and bc["max_input_len"] == 512  # clipped to max_seq_len
-    assert bc["kv_cache_type"] == "PAGED" and bc["opt_num_tokens"] == 2048
+    assert bc["kv_cache_type"] == "paged" and bc["opt_num_tokens"] == 2048  # KVCacheType.PAGED
     assert bc["plugin_config"]["use_paged_context_fmha"] is True
     assert get_engine_version(out) == cfg["version"] == trtllm_fake.__version__
 
@@ -168,7 +168,8 @@ def test_engine_config_written_by_rank0_only(trtllm_fake: ModuleType, tmp_path: 
     cfg = copy.deepcopy(cfg)
     cfg.set_rank(1)
     model = MODEL_MAP[cfg.architecture].from_checkpoint(str(tmp_path / "ckpt"), config=cfg)
-    build(model, trtllm_fake.BuildConfig()).save(str(tmp_path / "eng"))
+    bc = trtllm_fake.BuildConfig(output_timing_cache=str(tmp_path / "timing.cache"))
+    build(model, bc).save(str(tmp_path / "eng"))
     assert [p.name for p in (tmp_path / "eng").iterdir()] == ["rank1.engine"]
 
 
@@ -201,14 +202,17 @@ def test_trtllm_build_cli(trtllm_fake: ModuleType, tmp_path: Path) -> None:
             str(tmp_path / "eng")]
     done = subprocess.run([*base, "--gemm_plugin", "auto", "--kv_cache_type", "paged",
                            "--use_paged_context_fmha", "enable", "--multiple_profiles", "enable",
-                           "--workers", "2"], env=env, capture_output=True, text=True)
+                           "--workers", "2"], env=env, capture_output=True, text=True,
+                          cwd=tmp_path)  # its timing cache defaults to ./model.cache
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "eng").iterdir()) == [
         "config.json", "rank0.engine", "rank1.engine"]
     bc = json.loads((tmp_path / "eng" / "config.json").read_text())["build_config"]
     assert bc["plugin_config"]["gemm_plugin"] == "auto"
     assert bc["plugin_config"]["multiple_profiles"] is True
-    bad = subprocess.run([*base, "--tp_size", "2"], env=env, capture_output=True, text=True)
+    assert (tmp_path / "model.cache").is_file()
+    bad = subprocess.run([*base, "--tp_size", "2"], env=env, capture_output=True, text=True,
+                         cwd=tmp_path)
     assert bad.returncode != 0 and "--tp_size" in bad.stderr  # TP comes from the checkpoint
     for flag in api_surface.TRTLLM_BUILD_FLAGS:  # the fake's CLI accepts every documented flag
         if flag in ("--checkpoint_dir", "--model_config"):
@@ -271,8 +275,11 @@ def test_old_format_config_and_world_size(trtllm_fake: ModuleType, engine: Path,
         _executor(engine)
     _convert(_hf_dir(tmp_path), tmp_path / "ckpt2", tp=2)
     tp2 = _build(tmp_path / "ckpt2", tmp_path / "tp2")
-    with pytest.raises(RuntimeError, match=r"MPI worldSize is expected to be equal to tp\*pp\*cp"):
+    with pytest.raises(RuntimeError) as info:
         _executor(tp2)  # one process, TP=2 engine: forgot mpirun
+    assert str(info.value) == (  # executorImpl.cpp's words, exactly
+        "[TensorRT-LLM][ERROR] Assertion failed: With communicationMode kLEADER, MPI worldSize "
+        "is expected to be equal to tp*pp*cp when participantIds are not specified")
 
 
 # -- Executor: requests and results (§2.1) -------------------------------------------------
@@ -519,15 +526,19 @@ _MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shuti
 
 
 def _mpi_probe(trtllm_fake: ModuleType, engine: Path, tmp_path: Path, scenario: str,
-               **env: str) -> list[dict[str, Any]]:
-    out = tmp_path / f"out-{scenario}"
+               ok: bool = True, **env: str) -> list[dict[str, Any]]:
+    out = tmp_path / f"out-{scenario}-{len(list(tmp_path.iterdir()))}"
     out.mkdir()
     cmd = [_MPIRUN, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "2",
            sys.executable, str(_FAKES / "mpi_probe.py"), str(engine), str(out), scenario]
     done = subprocess.run(cmd, env={**_helper.subprocess_env(), **env}, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    assert (done.returncode == 0) is ok, done.stderr
+    _PROBE_STDERR[scenario] = done.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+_PROBE_STDERR: dict[str, str] = {}
 
 
 @pytest.mark.skipif(_MPIRUN is None, reason="needs mpirun")
@@ -549,3 +560,177 @@ def test_leader_mode_under_mpirun(trtllm_fake: ModuleType, tmp_path: Path) -> No
                          FAKE_TRTLLM_COLLECTIVE_TIMEOUT_S="1")
     assert "every rank must construct it" in lone["construct_error"]
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.skipif(_MPIRUN is None, reason="needs mpirun")
+def test_import_is_a_collective_and_the_world_is_the_libmpis(trtllm_fake: ModuleType,
+                                                            tmp_path: Path) -> None:
+    """`import tensorrt_llm` splits COMM_WORLD (`_utils.py`): a rank that never imports it
+    leaves the others in their import (the fake fails after the collective timeout). And the
+    MPI world `_utils` reports is the libmpi's: one process alone when the job's mpirun does
+    not belong to it (FAKE_TRTLLM_MPI=singleton), whatever our own mpi4py says."""
+    _convert(_hf_dir(tmp_path), tmp_path / "ckpt", tp=2)
+    engine = _build(tmp_path / "ckpt", tmp_path / "eng")
+    lone, rank1 = _mpi_probe(trtllm_fake, engine, tmp_path, "import",
+                             FAKE_TRTLLM_COLLECTIVE_TIMEOUT_S="1")
+    assert "import-time MPI collective" in lone["import_error"] and not rank1["imported"]
+    assert [(w["rank"], w["size"]) for w in _mpi_probe(trtllm_fake, engine, tmp_path,
+                                                       "world")] == [(0, 2), (1, 2)]
+    alone = _mpi_probe(trtllm_fake, engine, tmp_path, "world", FAKE_TRTLLM_MPI="singleton")
+    assert [(w["rank"], w["size"], w["mpi4py_size"]) for w in alone] == [(0, 1, 2), (0, 1, 2)]
+
+
+@pytest.mark.skipif(_MPIRUN is None, reason="needs mpirun")
+def test_executor_alive_at_mpi_finalize_aborts(trtllm_fake: ModuleType, tmp_path: Path) -> None:
+    """With TP > 1 the Executor owns split communicators its destructor frees, unchecked
+    (mpiUtils.cpp); Open MPI aborts on MPI_Comm_free after MPI_Finalize. Released and collected
+    first, the job ends cleanly."""
+    _convert(_hf_dir(tmp_path), tmp_path / "ckpt", tp=2)
+    engine = _build(tmp_path / "ckpt", tmp_path / "eng")
+    assert [r["released"] for r in _mpi_probe(trtllm_fake, engine, tmp_path,
+                                              "finalize-released")] == [True, True]
+    _mpi_probe(trtllm_fake, engine, tmp_path, "finalize-alive", ok=False)
+    err = _PROBE_STDERR["finalize-alive"]
+    assert "The MPI_Comm_free() function was called after MPI_FINALIZE was invoked" in err
+
+
+# -- what the real Executor and builder do that a lenient fake would let pass ---------------
+def test_build_config_kv_cache_type_takes_the_enum_only(trtllm_fake: ModuleType,
+                                                        tmp_path: Path) -> None:
+    from pydantic import ValidationError
+    from tensorrt_llm.llmapi.kv_cache_type import KVCacheType
+
+    BuildConfig = trtllm_fake.BuildConfig
+    with pytest.raises(ValidationError, match="silently disables the paged KV cache"):
+        BuildConfig(kv_cache_type="paged")
+    assert BuildConfig().kv_cache_type is None  # None: PAGED at build time
+    assert KVCacheType("PAGED") is KVCacheType.PAGED is KVCacheType("paged")
+    assert BuildConfig(kv_cache_type=KVCacheType.PAGED).kv_cache_type is KVCacheType.PAGED
+
+
+def test_executor_needs_attention_plugin_packed_input_paged_kv(trtllm_fake: ModuleType,
+                                                               tmp_path: Path) -> None:
+    from tensorrt_llm.llmapi.kv_cache_type import KVCacheType
+    from tensorrt_llm.plugin import PluginConfig
+
+    _convert(_hf_dir(tmp_path), tmp_path / "ckpt", tp=1)
+    for i, cfg in enumerate([{"kv_cache_type": KVCacheType.CONTINUOUS},
+                             {"plugin_config": PluginConfig(gpt_attention_plugin="disable")},
+                             {"plugin_config": PluginConfig(remove_input_padding=False)}]):
+        eng = _build(tmp_path / "ckpt", tmp_path / f"eng{i}", **cfg)
+        with pytest.raises(RuntimeError, match="TrtGptModelInflightBatching requires GPT "
+                           "attention/Mamba Conv 1d plugin with packed input and paged KV cache"):
+            _executor(eng)
+
+
+def test_plugin_config_ignores_unknown_keys(trtllm_fake: ModuleType) -> None:
+    from tensorrt_llm.plugin import PluginConfig
+
+    pc = PluginConfig(use_paged_context_fhma=False, tokens_per_block=16)  # a typo: dropped
+    assert pc.use_paged_context_fmha is True and pc.tokens_per_block == 16
+    assert not hasattr(pc, "use_paged_context_fhma")
+
+
+def test_read_only_fields(trtllm_fake: ModuleType) -> None:
+    from tensorrt_llm.bindings import executor as ex
+
+    req = ex.Request([1, 2], 4)
+    with pytest.raises(AttributeError):
+        req.max_tokens = 8
+    assert req.max_tokens == 4
+    sc = ex.SchedulerConfig(ex.CapacitySchedulerPolicy.MAX_UTILIZATION)
+    with pytest.raises(AttributeError):
+        sc.capacity_scheduler_policy = ex.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    assert sc.capacity_scheduler_policy is ex.CapacitySchedulerPolicy.MAX_UTILIZATION
+
+
+def test_timing_cache_is_written_where_build_config_says(trtllm_fake: ModuleType,
+                                                         tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capfd: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    from tensorrt_llm.builder import build
+    from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
+
+    _convert(_hf_dir(tmp_path), tmp_path / "ckpt", tp=1)
+    model = MODEL_MAP["LlamaForCausalLM"].from_checkpoint(
+        str(tmp_path / "ckpt"), config=PretrainedConfig.from_checkpoint(tmp_path / "ckpt"))
+    monkeypatch.chdir(tmp_path)
+    build(model, trtllm_fake.BuildConfig())
+    assert (tmp_path / "model.cache").is_file()  # the default: the working directory
+    assert "timing every kernel" in capfd.readouterr().err
+    cache = str(tmp_path / "t.cache")
+    build(model, trtllm_fake.BuildConfig(output_timing_cache=cache, input_timing_cache=cache))
+    build(model, trtllm_fake.BuildConfig(output_timing_cache=cache, input_timing_cache=cache))
+    assert f"Loaded timing cache from {cache}" in capfd.readouterr().err
+
+
+def test_small_kv_cache_shrinks_max_seq_len(engine: Path, capfd: pytest.CaptureFixture[str]
+                                            ) -> None:
+    """A cache that cannot hold one max_seq_len (512) sequence: the Executor shrinks the
+    attention window, max_seq_len and max_input_len at construction, with a warning; requests
+    then follow the smaller limits (trtGptModelInflightBatching.cpp)."""
+    from tensorrt_llm.bindings import executor as ex
+
+    kv = ex.KvCacheConfig(max_tokens=128)  # 4 blocks of 32
+    with _executor(engine, kv_cache_config=kv) as e:
+        err = capfd.readouterr().err
+        assert ("maxAttentionWindow and maxSequenceLen are too large for at least one sequence "
+                "to fit in kvCache. they are reduced to 128") in err
+        assert "maxInputLen is reduced to 127" in err
+        (r,) = _run(e, ex.Request(list(range(1, 130)), 2))
+        assert r.has_error() and "exceeds maximum input length (127)" in r.error_msg
+        (r,) = _run(e, ex.Request([1], 500, output_config=ex.OutputConfig(
+            exclude_input_from_output=True)))
+        assert len(r.result.output_token_ids[0]) == 127  # clamped to the new max_seq_len
+
+
+def test_cancel_of_a_queued_request_waits_for_admission(engine: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorrt_llm.bindings import executor as ex
+
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "10")
+    with _executor(engine, max_batch_size=1) as e:
+        first = e.enqueue_request(ex.Request([1], 30, streaming=True))
+        queued = e.enqueue_request(ex.Request([2], 30, streaming=True))
+        e.await_responses(first, timeout=SEC)  # running; `queued` waits for the batch slot
+        e.cancel_request(queued)
+        assert e.await_responses(queued, timeout=timedelta(milliseconds=100)) == []
+        rs = _drain_until_final(e, first)
+        assert rs[-1].result.finish_reasons == [ex.FinishReason.LENGTH]  # never cancelled
+        rs = _drain_until_final(e, queued)  # admitted once `first` ended, then cancelled
+        assert rs[-1].result.finish_reasons == [ex.FinishReason.CANCELLED]
+        assert len(rs) <= 2
+
+
+def test_leader_shutdown_blocks_until_requests_finish(engine: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorrt_llm.bindings import executor as ex
+
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "10")
+    e = _executor(engine, max_batch_size=1)
+    a = e.enqueue_request(ex.Request([1], 40))
+    b = e.enqueue_request(ex.Request([2], 40))  # queued behind `a`
+    t0 = time.monotonic()
+    e.shutdown()  # queues a terminate request behind both and keeps stepping
+    assert time.monotonic() - t0 > 0.5  # 80 iterations of 10 ms
+    for call in (lambda: e.await_responses(a, timeout=SEC), lambda: e.cancel_request(b),
+                 lambda: e.enqueue_request(ex.Request([3], 1))):
+        with pytest.raises(RuntimeError, match="Shutdown called"):
+            call()
+
+
+def test_sampling_without_a_seed_uses_seed_zero(engine: Path) -> None:
+    """SamplingConfig.seed None is seed 0 (NVIDIA/TensorRT-LLM #1000, #2411)."""
+    from tensorrt_llm.bindings import executor as ex
+
+    def sample(**sc: Any) -> list[int]:
+        cfg = ex.SamplingConfig(top_k=50, temperature=1.0, **sc)
+        (r,) = _run(e, ex.Request([5], 12, sampling_config=cfg))
+        return r.result.output_token_ids[0]
+
+    with _executor(engine) as e:
+        assert sample() == sample() == sample(seed=0)
+        assert sample(seed=1) != sample(seed=2)
+        greedy = _run(e, ex.Request([5], 3, sampling_config=ex.SamplingConfig(top_k=1)))
+        assert greedy[0].result.output_token_ids == [[5, 6, 7, 8]]

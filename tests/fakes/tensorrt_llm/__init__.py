@@ -3,12 +3,16 @@
 Importable as `tensorrt_llm` only inside tests (see tests/fakes/conftest_helper.py). It has
 exactly the documented surface (tests/fakes/api_surface.py) and no GPU: engines are small
 files and the "network" is a deterministic toy rule (tensorrt_llm/_fake/toy.py).
+
+As the real package does, importing it imports `_utils`, whose import runs an MPI collective
+over every rank of the job (see tensorrt_llm/_utils.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from . import _utils  # noqa: F401  (the import-time MPI collective, as the real package)
 from ._fake import env
 from .builder import BuildConfig
 from .mapping import Mapping

@@ -3,6 +3,15 @@
 Engine directory: config.json (rank 0 only: version, pretrained_config, build_config) and one
 rank{N}.engine per rank. The fake's plan records the builder's SM, TensorRT and TensorRT-LLM
 versions and the toy model; bindings.executor refuses to load it on a different "machine".
+
+Timing cache: build() writes TensorRT's timing cache to `output_timing_cache` (default
+"model.cache", relative to the working directory, as the real builder does) and reads
+`input_timing_cache` when that file exists; a build without one re-times every kernel.
+
+kv_cache_type: the fake takes a KVCacheType (or None: PAGED) and refuses a plain string,
+which only the pydantic BuildConfig of 1.2 converts (case-insensitively); in the dataclass
+BuildConfig of earlier 1.x releases the string is not the enum and silently disables the
+paged KV cache.
 """
 
 from __future__ import annotations
@@ -15,12 +24,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ._fake import env
 from ._fake.engine_file import engine_bytes
+from .llmapi.kv_cache_type import KVCacheType
 from .models.modeling_utils import PretrainedConfig, PretrainedModel
 from .plugin.plugin import PluginConfig
 
 __all__ = ["BuildConfig", "Engine", "EngineConfig", "build", "get_engine_version"]
 
-KV_CACHE_TYPES = ("CONTINUOUS", "PAGED", "DISABLED")
+KV_CACHE_TYPE_STRING = (
+    "kv_cache_type={!r}: pass tensorrt_llm.llmapi.kv_cache_type.KVCacheType (or leave it None: "
+    "PAGED is the default). A plain string works only where BuildConfig is the pydantic model "
+    "with the case-insensitive KVCacheType enum; in the dataclass BuildConfig it is not equal "
+    "to KVCacheType.PAGED and silently disables the paged KV cache, so the fake refuses it"
+)
 INVALID_ENGINE_CONFIG = (
     "Invalid engine config found from {}, please use the corresponding version of trtllm-build "
     "to build the engine."
@@ -36,7 +51,7 @@ class BuildConfig(BaseModel):
     max_beam_width: int = 1
     max_num_tokens: int = 8192
     opt_num_tokens: int | None = None  # None: max_batch_size * max_beam_width
-    kv_cache_type: str | None = None  # None: PAGED
+    kv_cache_type: KVCacheType | None = None  # None: PAGED
     gather_context_logits: bool = False
     strongly_typed: bool = True
     plugin_config: PluginConfig = Field(default_factory=PluginConfig)
@@ -47,12 +62,12 @@ class BuildConfig(BaseModel):
     use_strip_plan: bool = False
     use_refit: bool = False
 
-    @field_validator("kv_cache_type")
+    @field_validator("kv_cache_type", mode="before")
     @classmethod
-    def _kv_type(cls, v: str | None) -> str | None:
-        if v is not None and v.upper() not in KV_CACHE_TYPES:
-            raise ValueError(f"kv_cache_type must be one of {[t.lower() for t in KV_CACHE_TYPES]}")
-        return None if v is None else v.upper()
+    def _kv_type(cls, v: object) -> object:
+        if isinstance(v, str) and not isinstance(v, KVCacheType):
+            raise ValueError(KV_CACHE_TYPE_STRING.format(v))
+        return v
 
     @field_validator("max_input_len", "max_batch_size", "max_beam_width", "max_num_tokens")
     @classmethod
@@ -101,9 +116,12 @@ class Engine:
     @classmethod
     def from_dir(cls, engine_dir: str | Path, rank: int, /) -> Engine:
         d = read_engine_config(engine_dir)
+        bc = dict(d["build_config"])
+        if bc.get("kv_cache_type") is not None:  # config.json holds the enum's value
+            bc["kv_cache_type"] = KVCacheType(bc["kv_cache_type"])
         config = EngineConfig(
             PretrainedConfig.from_dict(d["pretrained_config"], rank),
-            BuildConfig.model_validate(d["build_config"]),
+            BuildConfig.model_validate(bc),
             d["version"],
         )
         return cls(config, (Path(engine_dir) / f"rank{rank}.engine").read_bytes())
@@ -133,7 +151,8 @@ def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
     if bc.opt_num_tokens is None:
         bc.opt_num_tokens = bc.max_batch_size * bc.max_beam_width
     if bc.kv_cache_type is None:
-        bc.kv_cache_type = "PAGED"
+        bc.kv_cache_type = KVCacheType.PAGED
+    timed = _timing_cache(bc)
     m = pc.mapping
     plan = engine_bytes(
         {
@@ -145,9 +164,27 @@ def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
             "pp_size": m.pp_size,
             "cp_size": m.cp_size,
             "toy": model._toy.to_dict(),
+            "kernels_timed": timed,
         }
     )
     return Engine(EngineConfig(_copy_config(pc), bc, env.trtllm_version()), plan)
+
+
+def _timing_cache(bc: BuildConfig) -> bool:
+    """Read input_timing_cache if it exists, write output_timing_cache (relative paths are
+    the working directory's). Returns True when kernels had to be timed (no cache read)."""
+    cache: dict[str, Any] = {"tensorrt_version": env.tensorrt_version(), "sm": env.device_sm()}
+    timed = True
+    if bc.input_timing_cache and Path(bc.input_timing_cache).is_file():
+        old = json.loads(Path(bc.input_timing_cache).read_text())
+        if {k: old.get(k) for k in cache} == cache:
+            timed = False
+            env.log("INFO", f"Loaded timing cache from {bc.input_timing_cache}")
+    if timed:
+        env.log("INFO", "No usable timing cache: timing every kernel")
+    if bc.output_timing_cache:
+        Path(bc.output_timing_cache).write_text(json.dumps(cache))
+    return timed
 
 
 def _init_max_seq_len(bc: BuildConfig, pc: PretrainedConfig) -> None:

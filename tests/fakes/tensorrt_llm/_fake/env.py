@@ -8,6 +8,9 @@ FAKE_TRTLLM_TOY           "k,a,b": toy-model parameters chosen at checkpoint con
 FAKE_TRTLLM_ITER_DELAY_MS   sleep per executor iteration, to make timing visible (default 0)
 FAKE_TRTLLM_COLLECTIVE_TIMEOUT_S  fail a collective construction after this long (default 60)
 FAKE_TRTLLM_AWAIT_LIMIT_S   fail an await_responses(timeout=None) blocked this long (default 120)
+FAKE_TRTLLM_MPI           "singleton": TensorRT-LLM's MPI library was not started by this job's
+                          mpirun (e.g. Open MPI 5's mpirun, Open MPI 4.1's libmpi), so every
+                          process is a world of its own: rank 0 of 1 (default: the real world)
 """
 
 from __future__ import annotations
@@ -62,6 +65,14 @@ def collective_timeout_s() -> float:
 
 def await_limit_s() -> float:
     return float(os.environ.get("FAKE_TRTLLM_AWAIT_LIMIT_S", "120"))
+
+
+def mpi_singleton() -> bool:
+    """Every process sees an MPI world of one, whatever mpirun started (FAKE_TRTLLM_MPI)."""
+    raw = os.environ.get("FAKE_TRTLLM_MPI", "").strip().lower()
+    if raw not in ("", "singleton"):
+        raise ValueError(f"FAKE_TRTLLM_MPI={raw!r}: expected 'singleton' or nothing")
+    return raw == "singleton"
 
 
 def log(level: str, msg: str) -> None:

@@ -72,8 +72,10 @@ class ToyModel:
         end_id: int | None,
         bad_words: Sequence[Sequence[int]],
         min_tokens: int,
+        offset: int = 0,
     ) -> int:
-        cand = self.next_token(seq)
+        """The greedy token (`offset` 0), or the offset-th candidate after it (sampling)."""
+        cand = (self.next_token(seq) + offset) % self.vocab_size
         for _ in range(self.vocab_size):
             banned_end = end_id is not None and cand == end_id and n_generated < min_tokens
             if not banned_end and not _completes(seq, cand, bad_words):

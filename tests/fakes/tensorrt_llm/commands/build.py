@@ -14,6 +14,7 @@ from pathlib import Path
 from .._fake import env, mpi
 from .._fake.toy import ToyModel
 from ..builder import BuildConfig, build
+from ..llmapi.kv_cache_type import KVCacheType
 from ..models import MODEL_MAP, PretrainedConfig
 from ..plugin.plugin import PluginConfig
 
@@ -99,7 +100,7 @@ def build_config_from_args(args: argparse.Namespace) -> BuildConfig:
         max_beam_width=args.max_beam_width,
         max_num_tokens=args.max_num_tokens,
         opt_num_tokens=args.opt_num_tokens,
-        kv_cache_type=kv_type,
+        kv_cache_type=None if kv_type is None else KVCacheType(kv_type),
         plugin_config=plugin,
         input_timing_cache=args.input_timing_cache,
         output_timing_cache=args.output_timing_cache,

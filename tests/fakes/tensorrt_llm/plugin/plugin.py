@@ -1,4 +1,7 @@
-"""tensorrt_llm.plugin.plugin.PluginConfig: the pydantic plugin settings (reference §1.2)."""
+"""tensorrt_llm.plugin.plugin.PluginConfig: the pydantic plugin settings (reference §1.2).
+
+Unknown keys are ignored, as TensorRT-LLM's PluginConfig ignores them: a misspelt plugin name
+is dropped without a word, so callers must read back what they set."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ _PLUGIN_DTYPES = {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvf
 
 
 class PluginConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
 
     gemm_plugin: str | None = None  # default off; docs recommend "auto" for FP16/BF16
     gpt_attention_plugin: str | None = "auto"  # auto = the model dtype

@@ -15,11 +15,26 @@ _OPT_FLOAT = (float, None)
 
 @dataclass(slots=True)
 class SchedulerConfig(Typed):
+    """Fields are read-only after construction (nanobind read-only properties)."""
+
     _TYPES = {"capacity_scheduler_policy": (CapacitySchedulerPolicy,)}  # noqa: RUF012
 
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
     context_chunking_policy: Any = None
     dynamic_batch_config: Any = None
+    _frozen: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"property '{name}' of 'SchedulerConfig' object has no setter")
+        Typed.__setattr__(self, name, value)
+
+    def __copy__(self) -> SchedulerConfig:
+        return SchedulerConfig(self.capacity_scheduler_policy, self.context_chunking_policy,
+                               self.dynamic_batch_config)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,12 @@
 Every rank constructs it (collectively); rank 0, the leader, runs the execution thread and
 is the only one allowed to enqueue, await, cancel or read stats. Other ranks call
 shutdown(), which blocks until the leader's shutdown() sends them a terminate message.
+
+The leader's shutdown() blocks too: it queues a terminate request and keeps stepping until
+every queued and active request has finished (executorImpl.cpp). After shutdown() every
+leader-only call fails with "Shutdown called". With more than one rank, every rank owns
+split communicators that its destructor frees (see _fake/mpi.py: freed after MPI_Finalize,
+the process aborts).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 from ..._fake import env, mpi
 from ._config import ExecutorConfig
 from ._enums import BatchingType, CommunicationMode, ModelType
-from ._load import LoadedEngine, kv_cache_blocks, load_engine
+from ._load import ERR, LoadedEngine, kv_cache_blocks, load_engine
 from ._loop import Loop
 from ._request import Request
 from ._responses import AWAIT_OVERLOADS, await_responses, enqueue, resolve_await
@@ -28,6 +34,11 @@ STATIC_BATCHING = (
     "CapacitySchedulerPolicy::kSTATIC_BATCH instead."
 )
 LEADER_ONLY = "With LEADER communication mode, only leader rank is expected to call {}"
+SHUTDOWN_CALLED = ERR + "Assertion failed: Shutdown called"
+KV_TOO_SMALL = (
+    "maxAttentionWindow and maxSequenceLen are too large for at least one sequence to fit in "
+    "kvCache. they are reduced to {}"
+)
 
 
 class Executor:
@@ -54,6 +65,7 @@ class Executor:
         self._leader = 0  # the first participant
         self._shut = False
         self._loop: Loop | None = None
+        self._comms: list[mpi.OwnedComm] = []  # freed when this object is destroyed
         self._next_id = 1  # request ids start at 1
         loaded, error = self._try_load(Path(model_path), executor_config)
         # Construction is collective: all ranks agree on what they loaded, or all fail.
@@ -75,6 +87,7 @@ class Executor:
                 f"arguments: {[v[:3] for v in views]}"
             )
         assert loaded is not None
+        self._comms = mpi.split_owned(self._world)
         if self._world.rank == self._leader:
             self._loop = self._start(*loaded, executor_config)
 
@@ -110,14 +123,29 @@ class Executor:
                     "WARNING",
                     f"{name} ({asked}) is larger than the engine's ({b[name]}); using {b[name]}",
                 )
-        return Loop(eng, cfg, limits["max_batch_size"], limits["max_num_tokens"], blocks)
+        if blocks < 1:
+            raise RuntimeError(ERR + "Assertion failed: the KV cache has no blocks (free GPU "
+                               "memory, or raise free_gpu_memory_fraction / max_tokens)")
+        # A cache too small for one max_seq_len sequence shrinks the attention window and
+        # max_seq_len (trtGptModelInflightBatching.cpp), it does not fail requests later.
+        max_seq_len, max_input_len = b["max_seq_len"], b["max_input_len"]
+        fits = blocks * eng.build["plugin_config"]["tokens_per_block"]
+        if fits < max_seq_len:
+            max_seq_len = fits
+            env.log("WARNING", KV_TOO_SMALL.format(max_seq_len))
+            if max_input_len > max_seq_len - 1:
+                max_input_len = max_seq_len - 1
+                env.log("WARNING", f"maxInputLen is reduced to {max_input_len}")
+        return Loop(eng, cfg, limits["max_batch_size"], limits["max_num_tokens"], blocks,
+                    max_seq_len, max_input_len)
 
     # -- leader-only API ---------------------------------------------------------------
     def _leader_loop(self, method: str) -> Loop:
         if self._world.rank != self._leader:
             raise RuntimeError(LEADER_ONLY.format(method))
         if self._shut or self._loop is None:
-            raise RuntimeError(f"Executor has been shut down; cannot call {method}")
+            raise RuntimeError(SHUTDOWN_CALLED + (", cannot enqueue requests"
+                                                  if method == "enqueueRequests" else ""))
         return self._loop
 
     def enqueue_request(self, request: Request, /) -> int:
@@ -146,9 +174,10 @@ class Executor:
     def cancel_request(self, id: int, /) -> None:
         loop = self._leader_loop("cancelRequest")
         with loop.cond:
-            for seq in loop.queued + loop.active:
-                if seq.id == id:
-                    seq.cancelled = True
+            # Applied to the active batch each iteration: a queued request is cancelled only
+            # once it has been admitted.
+            if any(seq.id == id for seq in loop.queued + loop.active):
+                loop.cancelled.add(id)
             loop.cond.notify_all()
 
     def get_latest_iteration_stats(self) -> list[IterationStats]:
@@ -175,7 +204,7 @@ class Executor:
             return
         self._shut = True
         if self._loop is not None:
-            self._loop.stop()
+            self._loop.terminate()  # blocks until queued and active requests have finished
             mpi.send_terminate(self._world, self._leader)
         else:
             mpi.wait_terminate(self._world, self._leader)  # blocks until the leader shuts down

@@ -1,6 +1,7 @@
 """What the Executor constructor does before it serves: read config.json, check the MPI world
 against the engine's parallelism, "deserialize" rank{N}.engine (rejecting another SM, TensorRT
-or TensorRT-LLM), and size the paged KV cache (reference §1.3, §1.4, §2.1)."""
+or TensorRT-LLM), check that in-flight batching can run the engine, and size the paged KV
+cache (reference §1.3, §1.4, §2.1; executorImpl.cpp, trtGptModelInflightBatching.cpp)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ DESERIALIZE_FAILED = (
     "(/fake/cpp/tensorrt_llm/runtime/tllmRuntime.cpp)"
 )
 WORLD_SIZE_MISMATCH = (
-    ERR + "Assertion failed: MPI worldSize is expected to be equal to tp*pp*cp when "
-    "participantIds are not specified"
+    ERR + "Assertion failed: With communicationMode kLEADER, MPI worldSize is expected to be "
+    "equal to tp*pp*cp when participantIds are not specified"
+)
+INFLIGHT_NEEDS = (
+    ERR + "Assertion failed: TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d "
+    "plugin with packed input and paged KV cache."
 )
 DEFAULT_FREE_GPU_MEMORY_FRACTION = 0.9
 
@@ -64,6 +69,7 @@ def load_engine(model_path: Path, rank: int, world_size: int) -> LoadedEngine:
         env.trt_log_error(1, "Serialization assertion magicTagRead == kMAGIC_TAG failed.")
         raise RuntimeError(DESERIALIZE_FAILED) from None
     _check_compatible(plan)
+    _check_inflight_batching(cfg["build_config"])
     pc = cfg["pretrained_config"]
     return LoadedEngine(
         cfg,
@@ -102,6 +108,15 @@ def _check_compatible(plan: dict[str, Any]) -> None:
             f"by TensorRT-LLM {plan['trtllm_version']}, runtime is {env.trtllm_version()}); "
             "rebuild the engine"
         )
+
+
+def _check_inflight_batching(bc: dict[str, Any]) -> None:
+    """In-flight batching (the only batching the Executor has) needs the GPT attention plugin,
+    packed input (remove_input_padding) and a paged KV cache."""
+    plugins = bc.get("plugin_config", {})
+    paged = str(bc.get("kv_cache_type") or "").lower() == "paged"
+    if not (plugins.get("gpt_attention_plugin") and plugins.get("remove_input_padding") and paged):
+        raise RuntimeError(INFLIGHT_NEEDS)
 
 
 def kv_cache_blocks(eng: LoadedEngine, kv: KvCacheConfig) -> int:

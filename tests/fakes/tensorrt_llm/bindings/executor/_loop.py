@@ -4,10 +4,22 @@ request per iteration, responses queued for await_responses (reference §2.1).
 Admission reserves a request's whole KV footprint (prompt + max_tokens) up front, which is
 GUARANTEED_NO_EVICT; the fake uses it for MAX_UTILIZATION too (it never pauses requests).
 STATIC_BATCH admits only into an empty batch.
+
+As executorImpl.cpp's executionLoop does:
+- cancellation and allotted time apply to active requests only: a request cancelled while
+  queued is admitted (and runs one step) before it ends CANCELLED; its generated tokens are
+  cleared (`clearGeneratedTokens`);
+- shutdown on the leader queues a terminate request behind every queued request and keeps
+  stepping until the queue and the active batch are empty (`while (!mShutdown ||
+  !activeRequests.empty())`), so it blocks until running requests finish;
+- sampling (top_k > 1, or top_p > 0 without top_k) draws from a generator seeded with the
+  request's SamplingConfig.seed, and with 0 when no seed is given: identical requests without
+  a seed sample identical tokens (NVIDIA/TensorRT-LLM #1000, #2411).
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import deque
@@ -19,7 +31,7 @@ from ..._fake.toy import ends_with_stop_word
 from ._config import ExecutorConfig
 from ._enums import CapacitySchedulerPolicy, FinishReason
 from ._load import LoadedEngine
-from ._request import Request, Response, Result
+from ._request import Request, Response, Result, SamplingConfig
 from ._stats import (
     InflightBatchingStats,
     IterationStats,
@@ -38,7 +50,19 @@ class Seq:
     enqueued_at: float
     generated: list[int] = field(default_factory=list)
     iters: int = 0
-    cancelled: bool = False
+    rng: random.Random | None = None  # sampling requests only
+
+    def __post_init__(self) -> None:
+        sc = self.req.sampling_config
+        if sampled(sc):
+            self.rng = random.Random(0 if sc.seed is None else sc.seed)
+
+
+def sampled(sc: SamplingConfig) -> bool:
+    """Random sampling: top_k > 1, or top_p > 0 with top_k unset/0; otherwise greedy."""
+    if sc.top_k is not None and sc.top_k > 1:
+        return True
+    return (sc.top_k is None or sc.top_k == 0) and sc.top_p is not None and sc.top_p > 0
 
 
 class Loop:
@@ -49,6 +73,8 @@ class Loop:
         max_batch_size: int,
         max_num_tokens: int,
         max_blocks: int,
+        max_seq_len: int,
+        max_input_len: int,
     ) -> None:
         self.eng, self.cfg = eng, cfg
         self.max_batch_size, self.max_num_tokens, self.max_blocks = (
@@ -56,6 +82,8 @@ class Loop:
             max_num_tokens,
             max_blocks,
         )
+        # The engine's, or less when the KV cache cannot hold one max_seq_len sequence.
+        self.max_seq_len, self.max_input_len = max_seq_len, max_input_len
         self.tpb: int = eng.build["plugin_config"]["tokens_per_block"]
         self.cond = threading.Condition()
         self.queued: list[Seq] = []
@@ -67,6 +95,8 @@ class Loop:
             maxlen=cfg.request_stats_max_iterations
         )
         self.hold = 0
+        self.cancelled: set[int] = set()  # ids cancelled, applied once they are active
+        self.terminating = False  # shutdown() queued its terminate request
         self.stopped = False
         self._iter = 0
         self._alloc_total = 0
@@ -76,9 +106,11 @@ class Loop:
         self._thread = threading.Thread(target=self._run, name="fake-trtllm-executor", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """The leader's shutdown(): queue the terminate request and wait until every queued
+        and active request has finished, then the thread ends."""
         with self.cond:
-            self.stopped = True
+            self.terminating = True
             self.cond.notify_all()
         self._thread.join()
 
@@ -88,9 +120,11 @@ class Loop:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.stopped and (self.hold or not (self.queued or self.active)):
+                while self.hold or not (self.queued or self.active or self.terminating):
                     self.cond.wait()
-                if self.stopped:
+                if self.terminating and not (self.queued or self.active):
+                    self.stopped = True
+                    self.cond.notify_all()
                     return
                 self._iteration()
                 self.cond.notify_all()
@@ -102,21 +136,20 @@ class Loop:
     def _iteration(self) -> None:
         t0 = time.monotonic()
         self._finished.clear()
-        for seq in list(self.queued):  # queued requests can be cancelled or time out
+        # Cancelled and timed-out requests end only once active (terminateCancelledRequests,
+        # finishTimedOutRequests run over the active batch).
+        for seq in self.active:
             reason = self._early_finish(seq, t0)
             if reason is not None:
-                self.queued.remove(seq)
+                seq.generated.clear()
                 self._finish(seq, reason, [])
+        self.active = [s for s in self.active if s.id not in self._finished]
         used_before = self._used(self.active)
         admitted = self._admit()
         stepped = self.active
         for seq in stepped:
             seq.iters += 1
-            reason = self._early_finish(seq, t0)
-            if reason is None:
-                self._step(seq)
-            else:
-                self._finish(seq, reason, [])
+            self._step(seq)
         new_blocks = max(0, self._used(stepped) - used_before)
         self._alloc_total += new_blocks
         self.active = [s for s in stepped if s.id not in self._finished]  # frees their blocks
@@ -124,7 +157,8 @@ class Loop:
         self._record(t0, admitted, stepped, n_ctx, new_blocks)
 
     def _early_finish(self, seq: Seq, now: float) -> FinishReason | None:
-        if seq.cancelled:
+        if seq.id in self.cancelled:
+            self.cancelled.discard(seq.id)
             return FinishReason.CANCELLED
         limit = seq.req.allotted_time_ms
         if limit is not None and (now - seq.enqueued_at) * 1000 > limit:
@@ -168,8 +202,12 @@ class Loop:
         r = seq.req
         seq_tokens = r.input_token_ids + seq.generated
         min_tokens = r.sampling_config.min_tokens or 0
+        offset = 0
+        if seq.rng is not None:  # sampling: one of the top_k candidates (all, without top_k)
+            k = r.sampling_config.top_k
+            offset = seq.rng.randrange(k if k is not None and k > 1 else self.eng.toy.vocab_size)
         tok = self.eng.toy.choose(
-            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens
+            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens, offset
         )
         if r.end_id is not None and tok == r.end_id:
             self._finish(seq, FinishReason.END_ID, [])  # end_id is not an output token

@@ -70,10 +70,10 @@ _DEFAULT_OUTPUT = OutputConfig()
 
 
 class Request(Typed):
-    """Everything after max_tokens is keyword-only; there is no `max_new_tokens`."""
+    """Everything after max_tokens is keyword-only; there is no `max_new_tokens`, and
+    `max_tokens` is read-only once the request exists (a nanobind read-only property)."""
 
     _TYPES = {  # noqa: RUF012
-        "max_tokens": (int,),
         "streaming": (bool,),
         "sampling_config": (SamplingConfig,),
         "output_config": (OutputConfig,),
@@ -86,13 +86,13 @@ class Request(Typed):
         "allotted_time_ms": _OPT_INT,
     }
     __slots__ = (
+        "_max_tokens",
         "allotted_time_ms",
         "bad_words",
         "client_id",
         "end_id",
         "guided_decoding_params",
         "input_token_ids",
-        "max_tokens",
         "num_return_sequences",
         "output_config",
         "pad_id",
@@ -125,7 +125,9 @@ class Request(Typed):
         allotted_time_ms: int | None = None,
     ) -> None:
         self.input_token_ids = int_list(input_token_ids, "Request.input_token_ids")
-        self.max_tokens = max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise TypeError(f"Request.max_tokens: incompatible value {max_tokens!r} (expected int)")
+        object.__setattr__(self, "_max_tokens", max_tokens)
         self.streaming = streaming
         self.sampling_config = copy.copy(sampling_config)
         self.output_config = copy.copy(output_config)
@@ -140,6 +142,10 @@ class Request(Typed):
         self.num_return_sequences = num_return_sequences
         self.guided_decoding_params = guided_decoding_params
         self.allotted_time_ms = allotted_time_ms
+
+    @property
+    def max_tokens(self) -> int:
+        return self._max_tokens
 
 
 @dataclass(slots=True)

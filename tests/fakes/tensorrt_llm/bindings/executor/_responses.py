@@ -92,33 +92,28 @@ def _check_supported(r: Request) -> None:
 
 
 def _validate(loop: Loop, r: Request) -> tuple[str | None, int]:
-    """-> (error message for an error Response, max_tokens clamped to max_seq_len)."""
-    b = loop.eng.build
+    """-> (error message for an error Response, max_tokens clamped to max_seq_len). The limits
+    are the engine's, or smaller when the KV cache made the Executor shrink them."""
     n_in = len(r.input_token_ids)
     if n_in == 0:
         return "Input token ids are empty", 0
-    if n_in > b["max_input_len"]:
-        return f"Prompt length ({n_in}) exceeds maximum input length ({b['max_input_len']})", 0
+    if n_in > loop.max_input_len:
+        return f"Prompt length ({n_in}) exceeds maximum input length ({loop.max_input_len})", 0
     if r.max_tokens < 1:
         return f"max_tokens ({r.max_tokens}) must be at least 1", 0
     if any(t < 0 or t >= loop.eng.toy.vocab_size for t in r.input_token_ids):
         return f"Input token ids must be in [0, {loop.eng.toy.vocab_size})", 0
     max_tokens = r.max_tokens
-    if n_in + max_tokens > b["max_seq_len"]:
-        max_tokens = b["max_seq_len"] - n_in
+    if n_in + max_tokens > loop.max_seq_len:
+        max_tokens = loop.max_seq_len - n_in
         env.log(
             "WARNING",
             f"Number of requested output tokens ({r.max_tokens}) exceeds maximum "
-            f"sequence length ({b['max_seq_len']}). Number of requested output tokens is "
+            f"sequence length ({loop.max_seq_len}). Number of requested output tokens is "
             f"changed to ({max_tokens}).",
         )
         if max_tokens < 1:
             return f"Prompt length ({n_in}) leaves no room in max_seq_len", 0
-    if loop.blocks_for(n_in + max_tokens) > loop.max_blocks:
-        return (
-            f"Request needs {loop.blocks_for(n_in + max_tokens)} KV cache blocks, the cache "
-            f"has {loop.max_blocks}"
-        ), 0
     return None, max_tokens
 
 

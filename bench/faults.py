@@ -1,0 +1,449 @@
+"""`make faults`: kill and break a TP=2 job at the worst moments; time how fast it ends.
+
+    python -m bench.faults [--engine DIR | --tp 2] [--only NAME ...] [--limit 10]
+
+Each scenario launches its own server (`python -m serve launch`, which starts mpirun),
+injects one fault, and measures the seconds from the fault to the whole job gone: the
+launcher exited and no process naming the job's run directory alive (mpirun, the rank
+supervisors, the detached rank workers). The cause must be named in the launcher's stderr
+or a rank log. A hard timeout (--hard-timeout) kills what is left, so nothing hangs here.
+
+  load-kill1       kill -9 of rank 1's worker while the load gate runs
+  warmup-kill1     kill -9 of rank 1's worker while the warmup gate runs
+  traffic-kill1    kill -9 of rank 1's worker with requests streaming
+  traffic-kill0    kill -9 of rank 0's worker with requests streaming
+  warmup-sigterm   SIGTERM to the launcher while the warmup gate runs
+  rm-engine-gates  the engine directory removed while the gates run (right after launch)
+  rm-engine-ready  the engine directory removed once ready: it keeps serving, then drains
+  engine-fault     the engine loop fails under traffic (AOTLLM_INJECT_FAULT_AT_STEP)
+
+Over --limit seconds (10), no named cause, or a client left hanging is a finding (exit 1).
+Written to bench/results/<UTC stamp>-faults/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from bench.job import Job, build_demo_engine, http, launch, metric
+from bench.soak import PROFILE
+from bench.traffic import Req, Result, send
+
+FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"  # serve/backends/torch.py
+
+
+@dataclass
+class Row:
+    name: str
+    fault: str
+    seconds: float | None = None  # fault -> whole job gone; None: it hung (killed by us)
+    exit_code: int | None = None
+    rank_exits: dict[int, int | None] = field(default_factory=dict)
+    cause: str = ""
+    cause_named: bool = False
+    clients: str = ""  # what the clients got, where there were clients
+    clients_ok: bool = True
+    hit: str = ""  # where the fault actually landed (the gate running at the time)
+    notes: list[str] = field(default_factory=list)
+
+    def findings(self, limit: float) -> list[str]:
+        out = []
+        if self.seconds is None:
+            out.append("HANG: the job did not end (killed by the harness)")
+        elif self.seconds > limit:
+            out.append(f"slow: {self.seconds:.1f} s > {limit:.0f} s")
+        if not self.cause_named:
+            out.append("cause not named")
+        if not self.clients_ok:
+            out.append("clients: " + self.clients)
+        return out
+
+
+# ---- clients ------------------------------------------------------------------------------
+
+
+class Clients:
+    """A few long requests (streams and not) on a background event loop."""
+
+    def __init__(self, job: Job, model: str, n: int, max_tokens: int = 200,
+                 timeout_s: float = 60.0) -> None:
+        self.results: list[Result] = []
+        self.done = threading.Event()
+        rng = random.Random(1)
+        reqs = []
+        for i in range(n):
+            stream = i % 2 == 0
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": stream,
+                    "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(8, 64))]}
+            reqs.append(Req("stream" if stream else "completion", "/v1/completions", body,
+                            len(body["prompt"])))
+        self._thread = threading.Thread(target=self._run, args=(job.port, reqs, timeout_s),
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, port: int, reqs: list[Req], timeout_s: float) -> None:
+        import aiohttp
+
+        async def main() -> None:
+            async with aiohttp.ClientSession() as session:
+                async def one(i: int, req: Req) -> None:
+                    res = Result(i, req.kind, req.stream, "ok", "read", False, time.time())
+                    self.results.append(res)
+                    await send(session, "127.0.0.1", port, req, res, timeout_s)
+                    res.end_s = time.time()
+                await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+
+        try:
+            asyncio.run(main())
+        finally:
+            self.done.set()
+
+    def summary(self, wait_s: float) -> tuple[str, bool]:
+        """'outcome x count' and whether every client got an end (none still waiting)."""
+        finished = self.done.wait(wait_s)
+        counts: dict[str, int] = {}
+        for r in self.results:
+            key = r.outcome if r.outcome not in ("unexpected",) else _short(r.detail)
+            key = f"{key}({r.status})" if r.status else key
+            counts[key] = counts.get(key, 0) + 1
+        text = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        hung = not finished or any(r.detail.startswith("no answer within")
+                                   for r in self.results)
+        return text + (" — STILL WAITING" if not finished else ""), not hung
+
+
+def _short(detail: str) -> str:
+    if "in-band" in detail:
+        return "in-band error"
+    m = re.match(r"(\w+(?:Error|Disconnected|Exception)?)", detail)
+    return m.group(1) if m else detail[:40]
+
+
+# ---- scenario helpers --------------------------------------------------------------------
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, poll_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def cause_of(job: Job, patterns: list[str], since: float) -> tuple[str, bool]:
+    """The first log line (launcher stderr, then rank logs) matching one of `patterns`;
+    else the first error line. Lines with a timestamp before `since` are skipped."""
+    lines = job.stderr().splitlines()
+    for rank in range(job.tp):
+        lines += job.rank_log(rank).splitlines()
+    fresh = []
+    for line in lines:
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+        if m:
+            ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000
+            if ts < since - 1.0:
+                continue
+        fresh.append(line.strip())
+    for pat in patterns:
+        for line in fresh:
+            if re.search(pat, line):
+                return line[:240], True
+    errors = [ln for ln in fresh if re.search(r"error|ERROR|Error", ln)]
+    return (errors[0][:240] if errors else "(nothing logged)"), False
+
+
+def finish(row: Row, job: Job, fault_at: float, hard_timeout: float, patterns: list[str]
+           ) -> None:
+    gone = job.wait_gone(hard_timeout)
+    if gone:
+        assert job.gone_at is not None
+        row.seconds = round(job.gone_at - fault_at, 2)
+    else:
+        row.notes.append(f"still alive after {hard_timeout:.0f} s: {job.left()} (killed)")
+        job.kill_all()
+    row.exit_code = job.exit_code if job.exit_code is not None else job.proc.poll()
+    row.rank_exits = {r: job.run_file(r, "exit") for r in range(job.tp)}
+    row.cause, row.cause_named = cause_of(job, patterns, fault_at)
+
+
+def kill_rank(job: Job, rank: int) -> float:
+    pid = job.worker_pids()[rank]
+    os.kill(pid, signal.SIGKILL)
+    return time.time()
+
+
+def model_id(job: Job) -> str:
+    return str(job.get_json("/v1/models")["data"][0]["id"])
+
+
+def serving(job: Job, n: int) -> bool:
+    """True once `n` requests run and tokens have come out."""
+    page = job.metrics()
+    return ((metric(page, "llmserve_num_requests_running") or 0) >= n
+            and (metric(page, "llmserve_generation_tokens_total") or 0) > 4 * n)
+
+
+def gate_hit(job: Job, gate: str, timeout: float, poll_s: float = 0.01) -> str | None:
+    """Poll /v1/engine until `gate` runs; returns the gate seen running at the end (None if
+    the job ended first or nothing was seen)."""
+    seen = None
+    deadline = time.monotonic() + timeout
+    gates = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
+             "kernels", "warmup")
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        cur = job.running_gate()
+        if cur is not None:
+            seen = cur
+            if cur == gate or gates.index(cur) > gates.index(gate):
+                return cur
+        elif seen is not None:  # no gate running: between two gates or past the last
+            report = job.get_json("/v1/engine", timeout=2)
+            passed = [g["name"] for g in (report or {}).get("gates", []) if g["state"] == "passed"]
+            if gate in passed:
+                return f"after {passed[-1]}"
+        time.sleep(poll_s)
+    return seen
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+
+PEER_GONE = [r"was killed by SIG", r"peer rank is gone", r"lost the other ranks", r"lost rank 0",
+             r"supervisor died", r"cannot serve without it", r"rank 1.*(gone|died|lost|exit)"]
+
+
+def sc_kill1_at_gate(ctx: Ctx, gate: str) -> Row:
+    row = Row(f"{gate}-kill1", f"kill -9 rank 1 worker during the {gate} gate")
+    job = ctx.launch(row.name)
+    try:
+        if not wait_for(lambda: 1 in job.worker_pids(), 120):
+            raise RuntimeError("rank 1 never wrote its pid")
+        row.hit = gate_hit(job, gate, 120) or "unknown"
+        if gate == "warmup" and row.hit == "warmup":
+            time.sleep(0.3)  # well inside the gate, not at its first instant
+        fault = kill_rank(job, 1)
+        row.hit = f"gate running: {row.hit}"
+        finish(row, job, fault, ctx.hard_timeout, PEER_GONE)
+    finally:
+        job.kill_all()
+    return row
+
+
+def sc_traffic_kill(ctx: Ctx, rank: int) -> Row:
+    row = Row(f"traffic-kill{rank}", f"kill -9 rank {rank} worker with 4 requests running")
+    job = ctx.launch(row.name)
+    try:
+        job.wait_ready()
+        clients = Clients(job, model_id(job), 4)
+        if not wait_for(lambda: serving(job, 4), 120, 0.1):
+            row.notes.append("the 4 requests were not all running before the kill")
+        fault = kill_rank(job, rank)
+        patterns = PEER_GONE if rank == 1 else [r"was killed by SIG", r"lost rank 0", r"peer rank is gone",
+                                                r"lost the other ranks", r"supervisor died",
+                                                r"rank 0"]
+        finish(row, job, fault, ctx.hard_timeout, patterns)
+        row.clients, row.clients_ok = clients.summary(15)
+    finally:
+        job.kill_all()
+    return row
+
+
+def sc_warmup_sigterm(ctx: Ctx) -> Row:
+    row = Row("warmup-sigterm", "SIGTERM to the launcher during the warmup gate")
+    job = ctx.launch(row.name)
+    try:
+        row.hit = f"gate running: {gate_hit(job, 'warmup', 120) or 'unknown'}"
+        time.sleep(0.3)
+        job.signal_launcher(signal.SIGTERM)
+        fault = time.time()
+        finish(row, job, fault, ctx.hard_timeout,
+               [r"shutdown requested", r"SIGTERM", r"drain"])
+    finally:
+        job.kill_all()
+    return row
+
+
+def _writable_copy(engine: Path, dst: Path) -> Path:
+    shutil.copytree(engine, dst)
+    for p in [dst, *dst.iterdir()]:
+        p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    return dst
+
+
+def sc_rm_engine_gates(ctx: Ctx) -> Row:
+    row = Row("rm-engine-gates", "rm -rf of the engine directory while the gates run")
+    engine = _writable_copy(ctx.engine, ctx.out / row.name / "engine")
+    job = ctx.launch(row.name, engine=engine)
+    try:
+        # As soon as the HTTP side is up (the ranks have started and read the manifest or
+        # are about to): the worst case, files vanish between the gates' reads.
+        row.hit = f"gate running: {gate_hit(job, 'resolve', 120) or 'unknown'}"
+        shutil.rmtree(engine)
+        fault = time.time()
+        finish(row, job, fault, ctx.hard_timeout,
+               [r"gate \w+ failed.*(No such file|not found|missing|does not exist|FileNotFound)",
+                r"gate \w+ failed"])
+    finally:
+        job.kill_all()
+    return row
+
+
+def sc_rm_engine_ready(ctx: Ctx) -> Row:
+    row = Row("rm-engine-ready", "rm -rf of the engine directory once ready; then traffic; "
+              "then SIGTERM (time is SIGTERM -> gone)")
+    engine = _writable_copy(ctx.engine, ctx.out / row.name / "engine")
+    job = ctx.launch(row.name, engine=engine)
+    try:
+        job.wait_ready()
+        shutil.rmtree(engine)
+        row.hit = "after admission"
+        model = model_id(job)
+        clients = Clients(job, model, 4, max_tokens=24)
+        text, ok = clients.summary(120)
+        chat = http(job.port, "POST", "/v1/chat/completions",
+                    {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                     "max_tokens": 8}, timeout=60)[0]
+        engine_report = http(job.port, "GET", "/v1/engine")[0]
+        ready = http(job.port, "GET", "/health/ready")[0]
+        row.clients = f"{text}; chat {chat}, /v1/engine {engine_report}, ready {ready}"
+        row.clients_ok = ok and all(r.outcome == "complete" for r in clients.results) \
+            and chat == 200 and ready == 200
+        if row.clients_ok:
+            row.notes.append("kept serving from memory: every request answered 200")
+        job.signal_launcher(signal.SIGTERM)
+        fault = time.time()
+        finish(row, job, fault, ctx.hard_timeout, [r"drained", r"draining"])
+        if row.exit_code != 0:
+            row.notes.append(f"the drain after the removal exited {row.exit_code}")
+    finally:
+        job.kill_all()
+    return row
+
+
+def sc_engine_fault(ctx: Ctx) -> Row:
+    row = Row("engine-fault", f"{FAULT_ENV}=60 with 4 requests running")
+    job = ctx.launch(row.name, env={FAULT_ENV: "60"})
+    try:
+        job.wait_ready()
+        clients = Clients(job, model_id(job), 4)
+        pattern = r"the engine failed: RuntimeError: fault injected"
+        if not wait_for(lambda: re.search(pattern, job.rank_log(0)) is not None, 120, 0.02):
+            raise RuntimeError("the injected fault never fired")
+        fault = time.time()
+        # The log line's own timestamp is when the fault was handled; use it when earlier.
+        line = next(ln for ln in job.rank_log(0).splitlines() if re.search(pattern, ln))
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+        if m:
+            fault = min(fault, datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+                        + int(m.group(2)) / 1000)
+        finish(row, job, fault, ctx.hard_timeout, [pattern])
+        row.clients, row.clients_ok = clients.summary(15)
+        bad = [r for r in clients.results if r.outcome not in ("5xx", "complete")]
+        if bad:
+            row.clients_ok = False
+            row.notes.append("a client got neither its answer nor the engine's error: "
+                             + "; ".join(f"{r.kind}: {r.detail[:80]}" for r in bad))
+    finally:
+        job.kill_all()
+    return row
+
+
+@dataclass
+class Ctx:
+    engine: Path
+    tp: int
+    out: Path
+    hard_timeout: float
+
+    def launch(self, name: str, engine: Path | None = None,
+               env: dict[str, str] | None = None) -> Job:
+        print(f"--- {name}", flush=True)
+        return launch(engine or self.engine, self.out / name, self.tp,
+                      ["--drain-timeout", "30"], env=env)
+
+
+SCENARIOS: dict[str, Callable[[Ctx], Row]] = {
+    "load-kill1": lambda c: sc_kill1_at_gate(c, "load"),
+    "warmup-kill1": lambda c: sc_kill1_at_gate(c, "warmup"),
+    "traffic-kill1": lambda c: sc_traffic_kill(c, 1),
+    "traffic-kill0": lambda c: sc_traffic_kill(c, 0),
+    "warmup-sigterm": sc_warmup_sigterm,
+    "rm-engine-gates": sc_rm_engine_gates,
+    "rm-engine-ready": sc_rm_engine_ready,
+    "engine-fault": sc_engine_fault,
+}
+
+
+def table(rows: list[Row], limit: float) -> list[str]:
+    def fmt(r: Row) -> tuple[Any, ...]:
+        findings = r.findings(limit)
+        secs = "HANG" if r.seconds is None else f"{r.seconds:.2f}"
+        exits = ", ".join(f"{k}:{v}" for k, v in r.rank_exits.items())
+        return (r.name, r.hit or "-", secs, r.exit_code, exits, r.cause.replace("|", "/"),
+                r.clients or "-", "; ".join(findings) or "ok")
+
+    return common.md_table(["scenario", "fault landed", "s to exit", "exit", "rank exits",
+                            "cause line", "clients", "verdict"], [fmt(r) for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=None)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), default=None)
+    ap.add_argument("--limit", type=float, default=10.0, help="seconds a job may take to end")
+    ap.add_argument("--hard-timeout", type=float, default=45.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from contract.manifest import read_manifest
+
+    engine = args.engine or build_demo_engine(common.REPO / "engines", args.tp, PROFILE)
+    tp = read_manifest(engine).tp
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or common.RESULTS / f"{stamp}-faults"
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(engine, tp, out, args.hard_timeout)
+    rows: list[Row] = []
+    for name in args.only or list(SCENARIOS):
+        try:
+            row = SCENARIOS[name](ctx)
+        except Exception as e:  # the harness itself failed: say so, go on with the next
+            row = Row(name, "(harness error)", notes=[f"{type(e).__name__}: {e}"[:400]])
+        rows.append(row)
+        print(f"    {row.seconds} s, exit {row.exit_code}, ranks {row.rank_exits}, "
+              f"cause: {row.cause}" + (f"; clients: {row.clients}" if row.clients else "")
+              + "".join(f"\n    note: {n}" for n in row.notes), flush=True)
+    lines = [f"# Fault runs {out.name}", "", f"Engine `{engine}` (TP={tp}); a scenario over "
+             f"{args.limit:.0f} s, without a named cause, or leaving a client waiting is a "
+             "finding.", "", *table(rows, args.limit), ""]
+    for r in rows:
+        lines += [f"- {r.name}: {r.fault}" + "".join(f"; {n}" for n in r.notes)]
+    md = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(md)
+    (out / "summary.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print(md, flush=True)
+    findings = [r for r in rows if r.findings(args.limit)]
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
