@@ -17,6 +17,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     _load_kernels()
     layers = _layers(args.group)
     variants = _variants(args.group)
-    print(f"load average {' '.join(open('/proc/loadavg').read().split()[:3])}, "
+    print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}, "
           f"{args.threads} threads, pid {os.getpid()}")
     print("| M | kernel | ms (30 layers) | weight GB/s |")
     print("|---|---|---|---|")

@@ -193,6 +193,16 @@ def test_groups_split_with_their_columns_and_scales() -> None:
         assert all(p.group == (64 if spec.group_size == 0 else spec.group_size) for p in pieces)
 
 
+def test_one_rank_keeps_a_short_last_group() -> None:
+    """96 inputs in groups of 64 (64 + 32): nothing to straddle at TP=1; at TP=2 each rank's
+    48 inputs would cut the first group, so that split is refused."""
+    rule = ShardRule("layers.0.self_attn.o_proj.weight", ("o",), "row")
+    full = quantize(_weight(16, 96), QuantSpec("int4", 64))
+    assert torch.equal(shard_qtensor(rule, [full], _cfg(), 1, 0).dequantize(), full.dequantize())
+    with pytest.raises(BuildError, match="straddle"):
+        shard_qtensor(rule, [full], _cfg(), 2, 0)
+
+
 def test_a_split_that_would_cut_a_group_is_refused_with_the_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "tiny")  # o_proj: 64 inputs, 32 per rank at TP=2
