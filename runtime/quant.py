@@ -209,12 +209,14 @@ def q_split_cols(t: QTensor, tp: int, rank: int, what: str) -> QTensor:
     """Rank `rank`'s slice of the input columns. A group never straddles two ranks: per
     channel, every rank keeps the row's scale for its part of the row; grouped, the split
     must fall on group boundaries, or the build is refused with the reason."""
+    if tp == 1:  # no boundary to straddle: the whole row, a short last group included
+        return t
     k = t.q.shape[1]
     local = k // tp
     q = t.q[:, rank * local:(rank + 1) * local]
     if t.spec.group_size == 0:
         return replace(t, q=q, group=local)
-    if tp > 1 and local % t.group:  # one rank: no boundary to straddle (a short last group is fine)
+    if local % t.group:
         fits = [g for g in (128, 64, 32) if local % g == 0]
         remedy = (f"choose --quant-group-size {' or '.join(map(str, fits))}" if fits
                   else "choose another --tp, or --quant int8_wo")

@@ -6,7 +6,9 @@ that their own warmup check passes and a corrupted shard fails.
 aoti compiles are the slow part, so each compiled engine covers both kernels: int4 linears
 (group 64: rows of 96 inputs end in a short group) with an int8 LM head at TP=1, int8 linears
 with an int4 LM head at TP=2. The eager engines (the numerical reference) cover every scheme
-and int4 group size (32, 64, 128) at TP=1, and at TP=2 where the groups fit the split.
+and int4 group size (32, 64, 128) at TP=1. At TP=2 this model's 6 query heads are padded
+to 8 (o_proj: 96 inputs to 128), which only groups of 32 fit (the refusal of the others is
+tests/unit/test_quant.py's).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ ENGINES = {
     "eager-int4-tp1": ("eager", 1, "int4_wo", 32, "none"),
     "eager-int4-tp2": ("eager", 2, "int4_wo", 32, "none"),
     "eager-int4g64-tp1": ("eager", 1, "int4_wo", 64, "none"),
-    "eager-int4g64-tp2": ("eager", 2, "int4_wo", 64, "none"),
     "eager-int4g128-tp1": ("eager", 1, "int4_wo", 128, "none"),
     "eager-int4+8-tp1": ("eager", 1, "int4_wo", 64, "int8_wo"),
     "aoti-int4+8-tp1": ("aoti", 1, "int4_wo", 64, "int8_wo"),
@@ -121,8 +122,7 @@ def test_quantized_engines_agree_with_each_other_and_with_transformers(
     assert shard["layers.0.self_attn.o_proj.qweight"].dtype == torch.int8
     assert shard["lm_head.qweight"].dtype == torch.uint8 and "layers.0.mlp.down_proj.weight" not in shard
     pairs = [("aoti-int4+8-tp1", "eager-int4+8-tp1"), ("aoti-int8+4-tp2", "eager-int8+4-tp2"),
-             ("eager-int8-tp1", "eager-int8-tp2"), ("eager-int4-tp1", "eager-int4-tp2"),
-             ("eager-int4g64-tp1", "eager-int4g64-tp2")]
+             ("eager-int8-tp1", "eager-int8-tp2"), ("eager-int4-tp1", "eager-int4-tp2")]
     for a, b in pairs:  # compiled kernels vs the reference; TP=1 vs TP=2 (same groups)
         assert rel_err(logits[a], logits[b]) < 1e-4, (a, b, rel_err(logits[a], logits[b]))
     for name in ("eager-int8-tp1", "eager-int4-tp1", "eager-int4g64-tp1", "eager-int4g128-tp1",
