@@ -56,7 +56,8 @@ ENGINES = {
 # Logits of the float model vs the quantized one, relative to the largest logit, on this
 # random tiny model (its logits are small and its weights have no outliers to spare): int8
 # rounds each weight to 1/254 of its row's (group's) largest, int4 to 1/15 of its group's
-# range; measured 0.9 % and 11 % (group 32). The bound says "quantized, not garbage"; the
+# range; measured 0.9 % (int8), 11-18 % (int4 linears, groups 32-128), 8 % (int8 linears,
+# int4 head): the coarsest format present sets the bound. It says "quantized, not garbage"; the
 # exact check is the dequantized-weights reference above it.
 QUANT_ERROR_BOUND = {"int8_wo": 0.03, "int4_wo": 0.25}
 
@@ -133,7 +134,9 @@ def test_quantized_engines_agree_with_each_other_and_with_transformers(
         for row, toks in zip(logits[name], REFERENCE_TOKENS, strict=True):
             assert rel_err(row, last_logits(exact, toks)) < 1e-4, name
             worst = max(worst, rel_err(row, last_logits(model, toks)))
-        assert 0 < worst < QUANT_ERROR_BOUND[quant.scheme], (name, worst)
+        kinds = {s.kind for s in (quant.linear, quant.lm_head) if s is not None}
+        bound = QUANT_ERROR_BOUND["int4_wo" if "int4" in kinds else "int8_wo"]
+        assert 0 < worst < bound, (name, worst)
         print(f"{name}: logits within {worst:.2%} of the float model's")
 
 
