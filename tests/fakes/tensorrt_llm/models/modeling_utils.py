@@ -176,7 +176,7 @@ class PretrainedModel:
             (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class QuantConfig:
     """The checkpoint's `quantization` section as an object (§1.1: quant_algo,
     kv_cache_quant_algo, group_size, has_zero_point, pre_quant_scale, exclude_modules)."""
@@ -188,8 +188,10 @@ class QuantConfig:
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("quant_algo", "kv_cache_quant_algo"):
-            d[k] = None if d[k] is None else str(d[k])
-        return d
+
+def quantization_section(qc: QuantConfig) -> dict[str, Any]:
+    """The checkpoint config.json's `quantization` object for a QuantConfig (fake machinery)."""
+    d = dataclasses.asdict(qc)
+    for k in ("quant_algo", "kv_cache_quant_algo"):
+        d[k] = None if d[k] is None else str(d[k])
+    return d

@@ -9,7 +9,7 @@ from typing import Any
 from ..._fake.toy import ToyModel
 from ...mapping import Mapping
 from ...quantization import LOAD_TIME_ALGOS, QuantAlgo
-from ..modeling_utils import PretrainedConfig, PretrainedModel, QuantConfig
+from ..modeling_utils import PretrainedConfig, PretrainedModel, QuantConfig, quantization_section
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 _DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -91,7 +91,7 @@ def _quantization(quant_config: Any) -> dict[str, Any]:
     if algo is not None and algo not in LOAD_TIME_ALGOS:
         raise ValueError(f"from_hugging_face cannot quantize {algo} without calibration "
                          "(LLaMAForCausalLM.quantize)")
-    return {**_QUANT_NONE, **quant_config.to_dict()}
+    return {**_QUANT_NONE, **quantization_section(quant_config)}
 
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
