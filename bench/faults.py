@@ -44,7 +44,8 @@ from typing import Any
 from bench import common
 from bench.job import Job, build_demo_engine, http, launch, metric
 from bench.soak import PROFILE
-from bench.traffic import Req, Result, send
+from bench.traffic import send
+from bench.traffic_mix import Req, Result
 
 FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"  # serve/backends/torch.py
 

@@ -40,7 +40,8 @@ from typing import Any
 
 from bench import common
 from bench.job import Job, build_demo_engine, http, launch, metric, metric_sum
-from bench.traffic import OUTCOMES, RequestMaker, TrafficReport, Workload, run_traffic
+from bench.traffic import TrafficReport, run_traffic
+from bench.traffic_mix import OUTCOMES, RequestMaker, Workload
 
 PROFILE = ("--max-seq-len", "512", "--max-batch-size", "8", "--max-num-tokens", "256")
 KV_SETTLE_S = 15.0  # after the last request, how long KV blocks may take to come back

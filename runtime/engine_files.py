@@ -55,6 +55,19 @@ class EngineFiles:
                           f"restore or rebuild the engine; `pipeline verify {self.engine_dir}` "
                           "lists every bad file", exit_code=EXIT_FAILURE)
 
+    def missing(self, names: list[str]) -> list[str]:
+        """Those of `names` (listed files) absent from the engine directory or of another
+        size than the manifest says: a cheap check before any byte is read."""
+        bad = []
+        for name in names:
+            try:
+                size = (self.engine_dir / name).stat().st_size
+            except OSError:
+                size = -1
+            if size != self.require(name).size:
+                bad.append(name)
+        return bad
+
     def get(self, name: str) -> Path:
         """The private, verified copy of `name` (read and checked once)."""
         copy = self.dir / PurePosixPath(name)

@@ -108,14 +108,20 @@ def find_mpirun(explicit: str | None = None) -> str:
     return exe
 
 
-def mpirun_argv(n: int, mpirun: str | None = None) -> list[str]:
-    """`mpirun -n N` with the flags a single host needs; root needs --allow-run-as-root."""
+def mpirun_argv(n: int, mpirun: str | None = None, hosts: str | None = None,
+                hostfile: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """`mpirun -n N` with the flags a single host needs; root needs --allow-run-as-root.
+    Several hosts: `hosts` (mpirun --host, e.g. a:1,b:1) or `hostfile`, and `extra`
+    arguments of mpirun's own (an ssh agent, MCA parameters) passed as given."""
     argv = [find_mpirun(mpirun)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-run-as-root")
-    # One host, ranks >= cores is fine for CPU engines; binding would pin every rank to
-    # one core of our 2.
-    return [*argv, "--oversubscribe", "--bind-to", "none", "-n", str(n)]
+    if hosts:
+        argv += ["--host", hosts]
+    if hostfile:
+        argv += ["--hostfile", hostfile]
+    # Ranks >= cores is fine for CPU engines; binding would pin every rank to one core.
+    return [*argv, "--oversubscribe", "--bind-to", "none", *extra, "-n", str(n)]
 
 
 def child_env() -> dict[str, str]:

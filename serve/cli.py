@@ -16,8 +16,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: serve launch --engine ENGINE_DIR [options]   (starts mpirun itself)\n"
               "       mpirun -n TP serve launch --engine ENGINE_DIR [options]\n"
+              "       serve rank-host [--drain-timeout S] -- CMD...   (a worker host's PID 1)\n"
+              "       serve manifests --engine DIR --engine-ref REF --image IMG   (Kubernetes)\n"
               "       serve launch --help   (all options)")
         return 0 if args else 2
+    if args[0] == "rank-host":
+        from serve.rankhost import main as rank_host
+
+        return rank_host(args[1:])
+    if args[0] == "manifests":
+        from serve.deploy import main as manifests
+
+        return manifests(args[1:])
     if args[0] != "launch":
         print(f"error: unknown command {args[0]!r} — the command is `serve launch`", file=sys.stderr)
         return 2
@@ -32,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return launch(args[1:], cfg)
     from serve.supervisor import supervise
 
-    return supervise(args[1:])
+    return supervise(args[1:], cfg.comm_iface)
 
 
 if __name__ == "__main__":

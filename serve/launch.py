@@ -30,6 +30,10 @@ class LaunchConfig:
     max_connections: int = 1024
     header_timeout: float = 10.0
     mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
+    comm_iface: str | None = None  # the ranks' interface (else GLOO/NCCL_SOCKET_IFNAME, else auto)
+    hosts: str | None = None  # mpirun --host (several hosts), when `serve launch` starts mpirun
+    hostfile: Path | None = None  # mpirun --hostfile
+    mpirun_args: tuple[str, ...] = ()  # more of mpirun's own arguments, passed through
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +58,10 @@ class LaunchConfig:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.header_timeout > 0:
             raise ValueError(f"--header-timeout must be positive, got {self.header_timeout}")
+        if self.hosts is not None and self.hostfile is not None:
+            raise ValueError("give either --hosts or --hostfile, not both")
+        if self.comm_iface is not None and not self.comm_iface.strip():
+            raise ValueError("--comm-iface must name an interface")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -96,6 +104,21 @@ def parser() -> argparse.ArgumentParser:
                    "$AOTLLM_MPIRUN, else the mpirun of the MPI library mpi4py loads, else the "
                    "one beside this Python); it must belong to the MPI library TensorRT-LLM "
                    "loads (Open MPI flags)")
+    multi = p.add_argument_group(
+        "several hosts", "`serve launch` on its own passes these to the mpirun it starts; under "
+        "your own mpirun give mpirun's --host/--hostfile to it instead")
+    multi.add_argument("--hosts", default=None, metavar="HOST:SLOTS,...",
+                       help="mpirun --host: the hosts and ranks per host, rank 0 on the first "
+                       "(this host, which serves HTTP), e.g. node-a:1,node-b:1")
+    multi.add_argument("--hostfile", type=Path, default=None,
+                       help="mpirun --hostfile (one `HOST slots=N` a line, this host first)")
+    multi.add_argument("--mpirun-arg", action="append", default=[], dest="mpirun_args",
+                       metavar="ARG", help="one more argument for mpirun, passed as is "
+                       "(repeat it: --mpirun-arg=--prtemca --mpirun-arg=plm_ssh_agent ...)")
+    multi.add_argument("--comm-iface", default=None, metavar="IFACE[,IFACE]",
+                       help="the interface the ranks' control plane, rendezvous store and gloo "
+                       "bind (default: $GLOO_SOCKET_IFNAME, else $NCCL_SOCKET_IFNAME, else "
+                       "chosen from the route to the other hosts; loopback on one host)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="write rank{N}.pid and, at exit, rank{N}.exit (exit code) here")
     return p
@@ -109,5 +132,6 @@ def parse(argv: list[str]) -> LaunchConfig:
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
-        header_timeout=ns.header_timeout, mpirun=ns.mpirun,
+        header_timeout=ns.header_timeout, mpirun=ns.mpirun, comm_iface=ns.comm_iface,
+        hosts=ns.hosts, hostfile=ns.hostfile, mpirun_args=tuple(ns.mpirun_args),
     )

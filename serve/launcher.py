@@ -13,11 +13,19 @@ the local rank processes (our supervisors, mpirun's children), which forward it 
 workers; rank 0 drains and ends the job, every rank exits, mpirun exits with their status,
 and so do we. mpirun itself never sees a signal unless the drain overruns its deadline
 or a second signal asks to stop at once.
+
+Several hosts (`--hosts` or `--hostfile`, and mpirun's own arguments with `--mpirun-arg`):
+rank 0 runs on this host (the first one listed) and ends the job on every host when it has
+drained; a rank on another host whose host is stopping asks rank 0 for the same drain. The
+environment the ranks need is forwarded to the other hosts (`-x`). mpirun dies with this
+launcher (PR_SET_PDEATHSIG), and once every rank of this host has exited, an mpirun that
+cannot end the job on a host that dropped off the network is stopped after LINGER_S.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -35,6 +43,27 @@ log = logging.getLogger("serve.launcher")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 15.0  # beyond --drain-timeout: cutting requests, closing HTTP, finalizing MPI
 KILL_WAIT_S = 5.0
+LINGER_S = 5.0  # mpirun alive this long after this host's ranks all exited: stop it
+# Forwarded to the ranks of other hosts (mpirun -x); not AOTLLM_API_KEY, which only rank 0
+# (on this host) reads.
+FORWARD_PREFIXES = ("AOTLLM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "HF_")
+FORWARD_NAMES = ("PYTHONPATH",)
+NOT_FORWARDED = ("AOTLLM_API_KEY",)
+_PR_SET_PDEATHSIG = 1
+
+
+def forwarded_env(env: dict[str, str]) -> list[str]:
+    """`-x NAME` for each variable the ranks of other hosts need."""
+    names = sorted(k for k in env if (k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES)
+                   and k not in NOT_FORWARDED)
+    return [a for k in names for a in ("-x", k)]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (mpirun then takes its
+    daemons on the other hosts down, and the ranks' supervisors see it; serve/supervisor.py)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def under_mpirun() -> bool:
@@ -63,6 +92,8 @@ class Launcher:
         self.stop_requested: float | None = None  # monotonic time of the first stop signal
         self.abort = False  # a second stop signal: end now
         self.signalled: set[int] = set()
+        self.seen_ranks = False  # a rank process of this host has been seen
+        self.ranks_gone: float | None = None  # when this host's rank processes all exited
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.stop_requested is None:
@@ -92,21 +123,48 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def _watch_linger(self) -> bool:
+        """True once mpirun has outlived every rank of this host by LINGER_S."""
+        assert self.proc is not None
+        if rank_processes(self.proc.pid):
+            self.seen_ranks, self.ranks_gone = True, None
+            return False
+        if not self.seen_ranks:
+            return False
+        if self.ranks_gone is None:
+            self.ranks_gone = time.monotonic()
+        return time.monotonic() - self.ranks_gone > LINGER_S
+
+    def command(self) -> list[str]:
+        cfg = self.cfg
+        several = cfg.hosts is not None or cfg.hostfile is not None
+        extra = (*(forwarded_env(child_env()) if several else ()), *cfg.mpirun_args)
+        mpirun = mpirun_argv(self.tp, cfg.mpirun, cfg.hosts,
+                             str(cfg.hostfile) if cfg.hostfile else None, extra)
+        return [*mpirun, sys.executable, "-m", "serve", "launch", *self.argv]
+
     def run(self) -> int:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
-        mpirun = mpirun_argv(self.tp, self.cfg.mpirun)
-        cmd = [*mpirun, sys.executable, "-m", "serve", "launch", *self.argv]
+        cmd = self.command()
         env = child_env()
-        env[MPIRUN_ENV] = mpirun[0]  # the ranks name it if their MPI library disagrees
+        env[MPIRUN_ENV] = cmd[0]  # the ranks name it if their MPI library disagrees
         log.info("starting %s", " ".join(cmd))
-        self.proc = proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.proc = proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
         while True:
             try:
                 rc = proc.wait(0.2)
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if self._watch_linger():
+                print(f"error: every rank on this host has exited but mpirun has not ended the "
+                      f"job after {LINGER_S:.0f} s (a host it cannot reach?); stopping it",
+                      file=sys.stderr, flush=True)
+                self._kill()
+                proc.wait()
+                return 1
             if self.stop_requested is None:
                 continue
             overdue = time.monotonic() - self.stop_requested > self.cfg.drain_timeout + GRACE_S

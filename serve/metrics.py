@@ -19,6 +19,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 prometheus_client.disable_created_metrics()
 
 PREFIX = "llmserve_"
+# The Gateway API Inference Extension's endpoint picker (llm-d, GKE, Envoy AI Gateway) picks a
+# replica from three series of its "model server protocol"; its defaults are vLLM's names
+# (--total-queued-requests-metric, --total-running-requests-metric,
+# --kv-cache-usage-percentage-metric), so we serve them under those names as well as ours.
+# vllm:gpu_cache_usage_perc is the kv-cache name of vLLM before v0.10 (older pickers).
+VLLM_WAITING, VLLM_RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+VLLM_KV_USAGE, VLLM_KV_USAGE_OLD = "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"
 KV_BLOCK_STATES = ("used", "cached", "free")
 
 # Latency buckets follow vLLM's, stretched at the top because CPU engines are slow.
@@ -55,6 +62,17 @@ class ServingMetrics:
                              registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_ratio",
                               "Fraction of paged KV-cache blocks in use (0 to 1).", registry=r)
+        # The picker's series: the same values as the three above, vLLM's names and help.
+        self.picker = {
+            "waiting": Gauge(VLLM_WAITING, "Number of requests waiting to be processed "
+                             "(same as llmserve_num_requests_waiting).", registry=r),
+            "running": Gauge(VLLM_RUNNING, "Number of requests in model execution batches "
+                             "(same as llmserve_num_requests_running).", registry=r),
+            "kv_usage": Gauge(VLLM_KV_USAGE, "KV-cache usage: 1 means 100 percent usage "
+                              "(same as llmserve_kv_cache_usage_ratio).", registry=r),
+            "kv_usage_old": Gauge(VLLM_KV_USAGE_OLD, f"The name of {VLLM_KV_USAGE} before "
+                                  "vLLM 0.10 (for older endpoint pickers).", registry=r),
+        }
         self.kv_blocks = Gauge(f"{p}kv_cache_blocks",
                                "Paged KV-cache blocks by state: used (held by requests), "
                                "cached (prefix cache, held by none, reusable), free.",
@@ -105,6 +123,10 @@ class ServingMetrics:
             self.running.set(getattr(stats, "running", 0))
             self.waiting.set(getattr(stats, "waiting", 0))
             self.kv_usage.set(getattr(stats, "kv_usage", 0.0))
+            self.picker["waiting"].set(getattr(stats, "waiting", 0))
+            self.picker["running"].set(getattr(stats, "running", 0))
+            for key in ("kv_usage", "kv_usage_old"):
+                self.picker[key].set(getattr(stats, "kv_usage", 0.0))
             total = int(getattr(stats, "kv_blocks_total", 0))
             used = int(getattr(stats, "kv_blocks_used", 0))
             cached = int(getattr(stats, "kv_blocks_cached", 0))

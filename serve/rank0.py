@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 PEER_FAILED_GRACE_S = 2.0  # a dead peer: time for the engine loop to answer what is in flight
+PEER_LOST_WAIT_S = 1.0  # an engine failure: how long a dead peer's hang-up may take to arrive
 
 
 class Rank0:
@@ -42,6 +43,7 @@ class Rank0:
             "load": self.st.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
             "world_size": self.comm.size,
+            "topology": self.comm.topology(),
             "threads": self.threads,
             "phase": self.state.readiness.phase,
             "pid": os.getpid(),
@@ -76,7 +78,10 @@ class Rank0:
         with self.log.run("admission") as ev:
             executor = backend.open(ev)
             self.comm.allgather("admitted")
-            self.comm.watch_peers(self._peer_failed)
+            # From now on a failed peer fails the requests in flight, and a rank > 0 whose
+            # host is stopping may ask for a drain (the peer watch reads the request).
+            self.life.on_peer_failure = self._peer_failed
+            self.comm.accept_drain_requests()
             ev.update(open=True, max_queue=self.cfg.max_queue,
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
         # Ready only once the gate is closed, so /health/ready never precedes the record.
@@ -116,6 +121,9 @@ class Rank0:
     def _fail(self, why: str) -> None:
         """The engine failed: every request already has its error; let the HTTP layer send
         them (a 500, or a final SSE error event), then end the job."""
+        lost = self.comm.lost_peer(PEER_LOST_WAIT_S)
+        if lost is not None:  # a collective failed because a peer died: name it and its host
+            why = f"{lost}; {why}"
         log.error("%s; exiting", why)
         self.state.readiness.set("failed", why)
         t_end = time.monotonic() + 2

@@ -29,6 +29,7 @@ from serve.launch import LaunchConfig
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
          "warmup")
 Evidence = dict[str, Any]
+HOST_FACTS = "_host_facts"  # evidence a gate body shares with rank 0 (see Startup.gate)
 
 
 @dataclass
@@ -53,24 +54,48 @@ class Startup:
         return self.comm.rank
 
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
+        """Run one gate here, then agree with every rank on its outcome. A body may leave
+        facts about its host in evidence[HOST_FACTS]: rank 0 records every rank's, by host."""
         err: GateFailure | None = None
+        facts: Any = None
         if self.interrupted():
             err = shutdown_requested(name)
         else:
             try:
                 with self.log.run(name) as evidence:
                     body(evidence)
+                    facts = evidence.pop(HOST_FACTS, None)
             except GateFailure as e:
                 err = e
         try:
-            outcomes = self.comm.allgather(None if err is None else (err.cause, err.remedy))
+            outcomes = self.comm.allgather(
+                [None if err is None else (err.cause, err.remedy), facts])
         except (ConnectionError, OSError) as e:
-            raise GateFailure(name, f"a peer rank is gone ({e})", "see the other ranks' messages") from e
+            self.comm.expect_end()
+            raise GateFailure(name, f"a peer rank is gone: {e}",
+                              "see the other ranks' messages") from e
         if err is not None:
+            self.comm.expect_end()
             raise err
-        for r, out in enumerate(outcomes):
+        for r, (out, _) in enumerate(outcomes):
             if out is not None:
-                raise GateFailure(name, f"rank {r}: {out[0]}", out[1])
+                self.comm.expect_end()
+                raise GateFailure(name, f"rank {r} on {self.comm.host_label(r)}: {out[0]}", out[1])
+        if self.rank == 0 and any(f is not None for _, f in outcomes):
+            self.log.amend(name, hosts=[{"rank": r, "host": self.comm.host_label(r), **(f or {})}
+                                        for r, (_, f) in enumerate(outcomes)])
+        # Every rank has every rank's facts: all of them refuse a job whose hosts run
+        # different torch builds (the collectives and the numerics are torch's own).
+        torch_on: dict[str, list[str]] = {}
+        for r, (_, f) in enumerate(outcomes):
+            if isinstance(f, dict) and "torch" in f:
+                torch_on.setdefault(str(f["torch"]), []).append(
+                    f"rank {r} on {self.comm.host_label(r)}")
+        if len(torch_on) > 1:
+            self.comm.expect_end()
+            raise GateFailure(name, "the hosts run different torch versions: " + "; ".join(
+                f"{v} on {', '.join(where)}" for v, where in torch_on.items()),
+                "install the same torch on every host of the job")
 
     def run(self, on_resolved: Callable[[Evidence], None] | None = None,
             until: str = GATES[-1]) -> Backend:

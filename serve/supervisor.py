@@ -6,6 +6,10 @@ drain for up to --drain-timeout, so the serving process is this supervisor's chi
 own session, out of the launcher's reach: the supervisor forwards the signal and mirrors
 the worker's exit code while it lives. A worker whose supervisor dies without having
 forwarded a signal first (a crash, kill -9) exits non-zero at once; see serve/worker.py.
+
+The supervisor in turn watches its own parent (mpirun on rank 0's host, PRRTE's daemon on
+the others): when that dies without a signal (kill -9, its host's launcher gone), the
+supervisor leaves too, and with it the worker, within ORPHAN_POLL_S.
 """
 
 from __future__ import annotations
@@ -17,18 +21,24 @@ import subprocess
 import sys
 import time
 
-from runtime.comm import Bootstrap, mpi_bootstrap
+from runtime.bootstrap import Bootstrap, mpi_bootstrap
+from runtime.netif import InterfaceError
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"
 PLAN_FD_ENV = "AOTLLM_PLAN_FD"
-
-
 LAUNCH_TIME_ENV = "AOTLLM_LAUNCH_TIME"
+ORPHAN_POLL_S = 0.5
 
 
-def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
+def supervise(worker_argv: list[str], comm_iface: str | None = None) -> int:
     launched = time.time()  # the interpreter's own start (~0.3 s) precedes this
-    boot, listener = mpi_bootstrap(host)
+    parent = os.getppid()
+    try:
+        boot, listeners = mpi_bootstrap(comm_iface)
+    except InterfaceError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(2)  # without MPI_Finalize: mpirun ends the job
     # The worker watches the read end: EOF means this supervisor is gone.
     parent_r, parent_w = os.pipe()
     env = dict(os.environ)
@@ -36,18 +46,21 @@ def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
     env.setdefault(LAUNCH_TIME_ENV, repr(launched))
     env[PARENT_FD_ENV] = str(parent_r)
     fds = [parent_r]
-    if listener is not None:
-        env[PLAN_FD_ENV] = str(listener.fileno())
-        fds.append(listener.fileno())
+    if listeners is not None:
+        env[PLAN_FD_ENV] = ",".join(map(str, listeners.fds()))
+        fds += listeners.fds()
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve.worker", *worker_argv], env=env, pass_fds=fds,
         start_new_session=True,
     )
     os.close(parent_r)
-    if listener is not None:
-        listener.close()
+    if listeners is not None:
+        listeners.close()
+    signalled = False
 
     def forward(signum: int, _frame: object) -> None:
+        nonlocal signalled
+        signalled = True
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
@@ -55,10 +68,21 @@ def supervise(worker_argv: list[str], host: str = "127.0.0.1") -> int:
         signal.signal(sig, forward)
     while True:
         try:
-            rc = proc.wait()
+            rc = proc.wait(ORPHAN_POLL_S)
             break
+        except subprocess.TimeoutExpired:
+            pass
         except InterruptedError:
             continue
+        if os.getppid() != parent and not signalled:
+            # mpirun (or PRRTE's daemon) is gone without a word: so is the job. Closing the
+            # pipe tells the worker; it exits at once (no signal came first).
+            print(f"error: rank {boot.rank}: mpirun's process on this host died; ending this "
+                  "rank", file=sys.stderr, flush=True)
+            os.close(parent_w)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            os._exit(1)
     os.close(parent_w)
     if rc < 0:
         # A worker killed by a signal (kill -9, the OOM killer) prints nothing itself: this

@@ -15,11 +15,13 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from runtime.comm import Bootstrap, Comm
+from runtime.bootstrap import Bootstrap, Listeners
+from runtime.comm import Comm
 from runtime.engine_files import close_all
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig, parse
@@ -30,12 +32,14 @@ RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed 
 
 
 class Lifecycle:
-    """Signals and supervisor death, seen from the worker."""
+    """Signals, supervisor death and peer failures, seen from the worker."""
 
     def __init__(self, run_dir: Path | None = None, rank: int = 0) -> None:
         self.run_dir, self.rank = run_dir, rank
-        self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived
+        self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived (or rank 0 was asked)
         self.serving = threading.Event()  # admission opened: from now on a drain has work
+        # What a failed peer connection does; rank 0 replaces it once it serves.
+        self.on_peer_failure: Callable[[str], None] = self._peer_failed_starting
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.drain.set())
         fd = os.environ.get(PARENT_FD_ENV)
@@ -49,7 +53,8 @@ class Lifecycle:
         # a supervisor that dies with no signal first means the job is failing.
         time.sleep(0.2)
         if not self.drain.is_set():
-            log.error("the rank's supervisor died without a shutdown signal; exiting")
+            self.error(f"rank {self.rank}: the rank's supervisor died without a shutdown "
+                       "signal; exiting")
             self.exit_now(1)
         if not self.serving.is_set():
             # Before admission there is nothing to drain: mpirun is ending the job (a rank
@@ -58,6 +63,19 @@ class Lifecycle:
             self.error(f"rank {self.rank}: its supervisor is gone during start-up (mpirun "
                        "is ending the job); exiting")
             self.exit_now(1)
+
+    def peer_failed(self, why: str) -> None:
+        """From the peer watch (runtime/comm.py): a peer died or its host stopped answering."""
+        self.on_peer_failure(why)
+
+    def _peer_failed_starting(self, why: str) -> None:
+        self.error(f"rank {self.rank}: {why}; the job cannot go on without it, exiting")
+        self.exit_now(1)
+
+    def drain_requested(self, peer: int) -> None:
+        if not self.drain.is_set():
+            log.info("rank %d asked for a drain (its host is stopping)", peer)
+            self.drain.set()
 
     def error(self, message: str) -> None:
         """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
@@ -79,6 +97,9 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
     logging.raiseExceptions = False  # stderr may be a pipe to a launcher that is gone
     fmt = f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format=fmt)
+    run_log = logging.getLogger(RUN_LOG)
+    run_log.propagate = False
+    run_log.addHandler(logging.NullHandler())
     if run_dir is not None:
         # mpirun, and with it the workers' stderr, is gone 0.5 s into a drain: the drain's
         # own messages are only visible here.
@@ -89,9 +110,7 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
             return
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
-        run_log = logging.getLogger(RUN_LOG)
         run_log.addHandler(handler)
-        run_log.propagate = False
 
 
 # Python's default 5 ms: a thread that wants the GIL may wait that long. Rank 0's HTTP
@@ -141,6 +160,12 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     except GateFailure as e:
         life.error(f"rank {comm.rank}: {e}")
         return 1
+
+    def forward_drain() -> None:  # a stop signal here: rank 0 drains the whole job
+        life.drain.wait()
+        comm.request_drain()
+
+    threading.Thread(target=forward_drain, name="drain-forward", daemon=True).start()
     rc = backend.follow(life.exit_now)
     if rc == 0:
         backend.finalize()
@@ -155,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     boot_env = os.environ.get(Bootstrap.ENV)
     boot = Bootstrap.from_env(boot_env) if boot_env else None
-    plan_fd = os.environ.get(PLAN_FD_ENV)
-    listener = socket.socket(fileno=int(plan_fd)) if plan_fd else None
+    plan_fds = os.environ.get(PLAN_FD_ENV)
+    listeners = (Listeners([socket.socket(fileno=int(fd)) for fd in plan_fds.split(",")])
+                 if plan_fds else None)
     rank = boot.rank if boot else 0
     _setup_logging(cfg.log_level, rank, cfg.run_dir)
     life = Lifecycle(cfg.run_dir, rank)
     _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
     rc = 1
     try:
-        comm = Comm(boot, listener)
+        comm = Comm(boot, listeners)
+        comm.watch(life.peer_failed, life.drain_requested)
         threads = thread_plan(comm)
         rc = (serve_rank0(cfg, comm, life, threads) if rank == 0
               else serve_follower(cfg, comm, life))

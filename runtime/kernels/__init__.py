@@ -74,15 +74,18 @@ def _register_fakes() -> None:
 
 
 def attach_shared_memory(comm: Comm, group: str, slot_bytes: int) -> str:
-    """Give `group` a shared-memory transport when every rank is on this host.
+    """Give `group` a shared-memory transport when every rank is on this host; across
+    hosts the ops fall back to the process group (gloo) of the same name.
 
     Collective over the control plane (every rank calls it). Rank 0 creates the segment,
     the others attach, and rank 0 unlinks its name once all have: nothing outlives the
     job, even a crash. Returns what the collectives now use (connect gate evidence).
     """
-    hosts = comm.allgather(socket.gethostname())
-    if len(set(hosts)) > 1:
-        return "gloo (ranks on several hosts)"
+    # Hosts as the bootstrap saw them (hostname, boot, network namespace): two network
+    # namespaces of one machine are two hosts, as they are for every other transport.
+    keys = [h.key for h in comm.hosts] or comm.allgather(socket.gethostname())
+    if len(set(keys)) > 1:
+        return "gloo"  # the connect gate adds "across N hosts"
     name = f"/aotllm-{os.getpid()}-{secrets.token_hex(4)}" if comm.rank == 0 else ""
     name = comm.allgather(name)[0]
     if comm.rank == 0:

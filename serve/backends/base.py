@@ -68,6 +68,24 @@ class Backend(ABC):
     @abstractmethod
     def compatible(self, ev: Evidence) -> None: ...
 
+    def check_files_present(self, ev: Evidence) -> None:
+        """Every file this rank will read is on this host's storage at the manifest's size
+        (the bytes are hashed as they are read, in load and verify): an engine copied to
+        only some hosts, or copied in part, fails here naming the host's missing files."""
+        from serve.startup import HOST_FACTS
+
+        entries = self.manifest.rank_files(self.rank)
+        bad = self.files.missing([f.path for f in entries])
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise GateFailure(
+                "compatible", f"the engine is not complete on this host's storage: {shown} "
+                f"missing or of the wrong size in {self.cfg.engine}",
+                "give every host the same engine at the same path (a shared volume, or pull it "
+                "by tag on each host), then `pipeline verify` it there")
+        facts = ev.setdefault(HOST_FACTS, {})
+        facts.update(files=len(entries), bytes=sum(f.size for f in entries))
+
     @abstractmethod
     def reserve(self, ev: Evidence) -> None: ...
 
@@ -99,16 +117,26 @@ class Backend(ABC):
 
     def connect(self, ev: Evidence) -> None:
         collectives = self.init_collectives()
+        me = self.comm.host_of(self.rank)
         mine = {"rank": self.rank, "engine_id": self.manifest.engine_id,
-                "host": socket.gethostname(), "load": self.st.log.evidence("load")}
+                "host": socket.gethostname(), "key": me.key if me else None,
+                "load": self.st.log.evidence("load")}
         everyone = self.comm.allgather(mine)
         ids = {e["engine_id"] for e in everyone}
         if len(ids) > 1 or [e["rank"] for e in everyone] != list(range(self.comm.size)):
             raise GateFailure("connect", f"ranks disagree on the engine: {sorted(ids)}",
                               "give every rank the same --engine")
+        moved = [e["rank"] for e, h in zip(everyone, self.comm.hosts) if e["key"] != h.key]
+        if moved:
+            raise GateFailure("connect", f"rank(s) {moved} report another host than at the "
+                              "bootstrap", "report this: the ranks' host map is inconsistent")
         self.st.rank_loads = [e["load"] for e in everyone]
+        hosts = self.comm.num_hosts
+        if self.comm.size > 1 and hosts > 1:
+            collectives = f"{collectives} across {hosts} hosts"
         ev.update(collectives=collectives if self.comm.size > 1 else "none (TP=1)",
-                  world=self.comm.size, hosts=sorted({e["host"] for e in everyone}))
+                  world=self.comm.size, hosts=sorted({e["host"] for e in everyone}),
+                  ranks=[{"rank": r, **h.to_dict()} for r, h in enumerate(self.comm.hosts)])
 
     @abstractmethod
     def allocate(self, ev: Evidence) -> None: ...

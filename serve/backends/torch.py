@@ -30,6 +30,7 @@ from serve import floors
 from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, GPU_KV_FRACTION
+from serve.startup import HOST_FACTS
 from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
 
 if TYPE_CHECKING:
@@ -85,8 +86,10 @@ class TorchBackend(Backend):
         if m.target.device == "cuda":
             self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
             torch.cuda.set_device(self.device)
+        self.check_files_present(ev)
         ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__,
                   quant=quant)
+        ev[HOST_FACTS].update(isa=why, torch=torch.__version__)
 
     def _min_kv_blocks(self) -> int:
         p = self.manifest.profile

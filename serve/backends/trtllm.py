@@ -56,6 +56,7 @@ from runtime.types import SamplingParams
 from serve import floors
 from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure, shutdown_requested
+from serve.startup import HOST_FACTS
 from serve.warmup import decode_batch_sizes
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ class TrtllmBackend(Backend):
         others = [r for r, why in enumerate(missing) if why is not None]
         if others:
             raise GateFailure("compatible", f"TensorRT-LLM is not installed on rank(s) "
-                              f"{', '.join(map(str, others))} ({missing[others[0]]}), so no rank "
+                              f"{', '.join(f'{r} ({self.comm.host_label(r)})' for r in others)} "
+                              f"({missing[others[0]]}), so no rank "
                               "imports it (its import is an MPI collective every rank must join)",
                               f"install it on every host of the job: {INSTALL}")
         try:
@@ -145,6 +147,8 @@ class TrtllmBackend(Backend):
             raise GateFailure("compatible", "; ".join(problems) + " (TensorRT engines are tied "
                               "to the exact GPU SM, TensorRT and TensorRT-LLM)",
                               f"rebuild the engine on this host: {rebuild_command(m, sm=sm)}")
+        self.check_files_present(ev)
+        ev[HOST_FACTS].update(gpu=sm or "unknown", **have)
         ev.update(world=self.comm.size, target=str(m.target), **have,
                   mpi=mpi_library_version() or "unknown",
                   gpu=sm or "not queryable here (torch sees no CUDA device); TensorRT checks the "

@@ -7,16 +7,8 @@ import random
 import pytest
 
 from bench.job import metric, metric_sum, parse_metrics
-from bench.traffic import (
-    Req,
-    RequestMaker,
-    Result,
-    StreamState,
-    Workload,
-    _check_answer,
-    _classify_status,
-    _event,
-)
+from bench.traffic import StreamState, _check_answer, _classify_status, _event
+from bench.traffic_mix import Req, RequestMaker, Result, Workload
 
 PAGE = """# HELP llmserve_kv_cache_blocks Paged KV-cache blocks by state
 # TYPE llmserve_kv_cache_blocks gauge

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import comm as comm_mod
+from runtime import bootstrap as comm_mod
 from runtime.comm import Bootstrap, Comm
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.wire import plan_from_wire, plan_to_wire

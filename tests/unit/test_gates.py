@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,48 @@ def test_a_stop_signal_ends_warmup_between_two_shapes() -> None:
     assert len(runner.executed) == 2  # the shape running when it came finished; no other
     e = shutdown_requested("warmup")
     assert (e.gate, e.cause) == ("warmup", "shutdown requested before admission")
+
+
+class _TwoHostComm:
+    """Rank 0's view of a two-host job: rank 1 on node-b reports `their` gate outcome."""
+
+    rank, size = 0, 2
+
+    def __init__(self, their: list[object]) -> None:
+        self.their, self.ended = their, False
+
+    def allgather(self, obj: object) -> list[object]:
+        return [json.loads(json.dumps(obj)), self.their]
+
+    def expect_end(self) -> None:
+        self.ended = True
+
+    def host_label(self, rank: int) -> str:
+        return ("node-a", "node-b (10.0.0.2)")[rank]
+
+
+def _gate_on_two_hosts(their: list[object], torch_here: str = "2.13.0") -> GateLog:
+    from serve.launch import LaunchConfig
+    from serve.startup import HOST_FACTS, Startup
+
+    comm = _TwoHostComm(their)
+    st = Startup(LaunchConfig(engine=Path("/nonexistent")), comm, GateLog())  # type: ignore[arg-type]
+    st.gate("compatible", lambda ev: ev.update({HOST_FACTS: {"torch": torch_here, "files": 3}}))
+    return st.log
+
+
+def test_each_hosts_facts_are_recorded_and_a_failure_names_the_host() -> None:
+    log = _gate_on_two_hosts([None, {"torch": "2.13.0", "files": 3}])
+    hosts = log.evidence("compatible")["hosts"]
+    assert [(h["rank"], h["host"], h["torch"]) for h in hosts] == [
+        (0, "node-a", "2.13.0"), (1, "node-b (10.0.0.2)", "2.13.0")]
+    with pytest.raises(GateFailure) as e:
+        _gate_on_two_hosts([["rank1.safetensors missing", "copy the engine"], None])
+    assert str(e.value.cause) == "rank 1 on node-b (10.0.0.2): rank1.safetensors missing"
+
+
+def test_hosts_with_different_torch_versions_fail_the_gate_naming_them() -> None:
+    with pytest.raises(GateFailure) as e:
+        _gate_on_two_hosts([None, {"torch": "2.12.1", "files": 3}])
+    assert e.value.cause == ("the hosts run different torch versions: 2.13.0 on rank 0 on "
+                             "node-a; 2.12.1 on rank 1 on node-b (10.0.0.2)")

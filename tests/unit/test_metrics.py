@@ -77,6 +77,14 @@ EXPECTED = {
     "llmserve_num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", ()),
     "llmserve_kv_cache_usage_ratio":
         ("gauge", "Fraction of paged KV-cache blocks in use (0 to 1).", ()),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed "
+                                  "(same as llmserve_num_requests_waiting).", ()),
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches "
+                                  "(same as llmserve_num_requests_running).", ()),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage: 1 means 100 percent usage "
+                                 "(same as llmserve_kv_cache_usage_ratio).", ()),
+    "vllm:gpu_cache_usage_perc": ("gauge", "The name of vllm:kv_cache_usage_perc before "
+                                  "vLLM 0.10 (for older endpoint pickers).", ()),
     "llmserve_kv_cache_blocks":
         ("gauge", "Paged KV-cache blocks by state: used (held by requests), cached (prefix "
          "cache, held by none, reusable), free.", ("state",)),
@@ -177,6 +185,11 @@ def test_scrape_refresh_sets_gauges_and_gate_seconds() -> None:
     assert page.value("llmserve_num_requests_running") == 3
     assert page.value("llmserve_num_requests_waiting") == 2
     assert page.value("llmserve_kv_cache_usage_ratio") == pytest.approx(0.4)
+    # The endpoint picker's series (vLLM's names): the same values, usage as a fraction.
+    assert page.value("vllm:num_requests_waiting") == 2
+    assert page.value("vllm:num_requests_running") == 3
+    assert page.value("vllm:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert page.value("vllm:gpu_cache_usage_perc") == pytest.approx(0.4)
     assert page.types["llmserve_kv_cache_blocks"] == "gauge"
     blocks = {state: page.value("llmserve_kv_cache_blocks", state=state)
               for state in ("used", "cached", "free")}
