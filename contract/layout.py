@@ -33,8 +33,14 @@ def rank_shard(rank: int) -> str:
 
 
 def rank_package(rank: int) -> str:
-    """A rank's AOTInductor package (aoti)."""
+    """A rank's AOTInductor package (aoti), as torch writes it (a zip)."""
     return f"rank{rank}.pt2"
+
+
+def rank_package_dir(rank: int) -> str:
+    """Rank N's AOTInductor package extracted at build time (aoti): the compiled library
+    and its metadata, loaded as they are (no zip to unpack at every start)."""
+    return f"rank{rank}.aoti"
 
 
 def rank_trt_engine(rank: int) -> str:

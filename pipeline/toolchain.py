@@ -43,7 +43,7 @@ def toolchain_versions(backend: str) -> dict[str, str]:
         "pipeline": f"{_package_version()}+src.{source_digest()}",
     }
     if backend == "trtllm":  # a TensorRT engine is tied to both (and to the GPU SM)
-        from runtime.executors.trtllm import trtllm_versions
+        from runtime.executors.trtllm_setup import trtllm_versions
 
         versions.update(trtllm_versions())
     return versions

@@ -6,7 +6,8 @@ is read from the engine directory twice: each small file is read once, checked a
 the manifest's size and sha256, and written to a private directory that the loaders then
 open. Another process changing the engine directory after the check changes nothing we
 load. (The weight shard is hashed while it is read into memory, runtime/loader.py, and
-the bytes in memory are the ones served.)
+the bytes in memory are the ones served.) An engine in an object store is read the same
+way, through a `reader` that fetches the object (runtime/engine_source.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from contract.errors import EXIT_FAILURE, BuildError
@@ -23,8 +25,12 @@ _OPEN: list[EngineFiles] = []
 
 
 class EngineFiles:
-    def __init__(self, engine_dir: Path, manifest: Manifest) -> None:
+    def __init__(self, engine_dir: Path, manifest: Manifest,
+                 reader: Callable[[FileEntry], bytes] | None = None,
+                 where: str | None = None) -> None:
         self.engine_dir = engine_dir
+        self.where = where or str(engine_dir)  # for messages: a directory or a store URL
+        self.reader = reader  # None: read from engine_dir
         self.entries: dict[str, FileEntry] = {f.path: f for f in manifest.files}
         self.dir = Path(tempfile.mkdtemp(prefix="aotllm-verified-"))  # mode 0700
         self.verified: list[str] = []
@@ -52,7 +58,7 @@ class EngineFiles:
 
     def _mismatch(self, name: str) -> BuildError:
         return BuildError(f"{name} does not match the manifest's sha256 (corrupted or modified)",
-                          f"restore or rebuild the engine; `pipeline verify {self.engine_dir}` "
+                          f"restore or rebuild the engine; `pipeline verify {self.where}` "
                           "lists every bad file", exit_code=EXIT_FAILURE)
 
     def missing(self, names: list[str]) -> list[str]:
@@ -75,7 +81,8 @@ class EngineFiles:
             return copy
         entry = self.require(name)
         try:
-            data = (self.engine_dir / name).read_bytes()
+            data = (self.engine_dir / name).read_bytes() if self.reader is None \
+                else self.reader(entry)
         except OSError as e:
             raise BuildError(f"cannot read {name} ({e.strerror or e})",
                              f"restore or rebuild the engine in {self.engine_dir}",

@@ -74,9 +74,13 @@ class GrammarCompiler:
                 xgr = _xgr()
                 # The model's vocabulary may be padded past the tokenizer's: the extra ids
                 # decode to nothing and the mask never allows them.
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=max(self.vocab_size, len(self._tokenizer)),
-                    stop_token_ids=list(self.stop_token_ids) or None)
+                size = max(self.vocab_size, len(self._tokenizer))
+                stops = list(self.stop_token_ids) or None
+                if hasattr(self._tokenizer, "xgrammar_info"):  # runtime/tokenizer.py's
+                    info = self._tokenizer.xgrammar_info(size, stops)
+                else:  # a Hugging Face tokenizer
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self._tokenizer, vocab_size=size, stop_token_ids=stops)
                 control = [any(c < 0x20 for c in piece) and i not in self.stop_token_ids
                            for i, piece in enumerate(info.decoded_vocab)]
                 self._control = _pack(~torch.tensor(control, dtype=torch.bool))

@@ -4,6 +4,10 @@ The file is read once, in large chunks, into one pre-allocated host buffer (pinn
 the target is a GPU, so the host-to-device copy is one DMA); a second thread hashes each
 chunk as soon as it lands, so verification costs no second read. Tensors are zero-copy
 views into the (device) buffer, located from the safetensors header.
+
+From an object store (runtime/objstore.py) the shard is read the same way, as parallel
+ranged GETs straight into the buffer (no temporary file); parts land out of order and the
+hasher takes each as soon as every part before it is in.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.objstore import ObjectStore
 
 _CHUNK = 16 << 20
 # safetensors dtype names -> torch dtypes (what the engine shards and checkpoints use).
@@ -71,6 +79,17 @@ def read_file_hashed(path: Path, pin: bool = False) -> tuple[torch.Tensor, str, 
     return buf, h.hexdigest(), time.perf_counter() - t0
 
 
+def read_object_hashed(store: ObjectStore, key: str, size: int, pin: bool = False
+                       ) -> tuple[torch.Tensor, str, float]:
+    """An object of `size` bytes in one uint8 host tensor, read as parallel ranged GETs,
+    hashed in order while the parts arrive; its sha256 and the seconds it took."""
+    from runtime.objstore import read_into_hashed
+
+    buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    digest, secs = read_into_hashed(store, key, memoryview(buf.numpy()).cast("B"))
+    return buf, digest, secs
+
+
 def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Zero-copy views of every tensor in a safetensors byte buffer (any device)."""
     header_len = struct.unpack("<Q", bytes(buf[:8].cpu().numpy()))[0]
@@ -90,9 +109,14 @@ def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_shard(path: Path, device: str = "cpu") -> LoadedShard:
+def load_shard(path: Path, device: str = "cpu", store: ObjectStore | None = None,
+               key: str = "", size: int = 0) -> LoadedShard:
+    """A shard from a file, or with `store` from the object `key` of `size` bytes."""
     pin = device.startswith("cuda")
-    buf, digest, read_s = read_file_hashed(path, pin=pin)
+    if store is None:
+        buf, digest, read_s = read_file_hashed(path, pin=pin)
+    else:
+        buf, digest, read_s = read_object_hashed(store, key, size, pin=pin)
     h2d_s = 0.0
     if pin:
         t0 = time.perf_counter()

@@ -9,13 +9,23 @@ import mmap
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-_PROBE = 64 << 20
+from contract.refs import PROBE_BYTES, PROBE_KEY
+from runtime.objstore import CONCURRENCY, PART_BYTES
+
+if TYPE_CHECKING:
+    from runtime.objstore import ObjectStore
+
+_PROBE = 16 << 20  # enough for a stable figure; each probe costs start-up time
+# The storage probe bypasses the page cache, so it waits for the disk itself: on a busy
+# host 16 MiB took 1.1 s of the load gate (0.015 GB/s, bench/ready.py); 4 MiB bounds that.
+_STORAGE_PROBE = 4 << 20
 
 
-def storage_read_gbps(path: Path, nbytes: int = _PROBE) -> tuple[float, str]:
+def storage_read_gbps(path: Path, nbytes: int = _STORAGE_PROBE) -> tuple[float, str]:
     """Sequential read of the first `nbytes` of `path`, bypassing the page cache when the
     filesystem allows O_DIRECT (then it neither benefits from nor warms the cache)."""
     size = min(nbytes, path.stat().st_size) // 4096 * 4096
@@ -79,3 +89,18 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def store_read_gbps(store: ObjectStore, fallback_key: str, fallback_size: int,
+                    nbytes: int = PROBE_BYTES) -> tuple[float, str]:
+    """The object store's read floor: `nbytes` of its probe object (written by `pipeline
+    push`; else of the shard itself) as the loader reads, parallel ranged GETs, but with
+    nothing done to the bytes (no copy, no hash)."""
+    size = store.head(PROBE_KEY)
+    key = PROBE_KEY if size else fallback_key
+    n = min(nbytes, size or fallback_size)
+    if n == 0:
+        return 0.0, "nothing to measure"
+    secs = store.read_parts(key, n, lambda _offset, _data: None)
+    return n / secs / 1e9, (f"{n >> 20} MiB of {store.url(key)}, {CONCURRENCY} ranged GETs "
+                            f"of {PART_BYTES >> 20} MiB at a time")

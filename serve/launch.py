@@ -15,7 +15,8 @@ GPU_KV_FRACTION = 0.9
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    engine: Path
+    # An engine directory, or STORE/MODEL@TAG | STORE/MODEL/ENGINE_ID (runtime/engine_source.py)
+    engine: str
     host: str = "127.0.0.1"
     port: int = 8000
     kv_cache_fraction: float | None = None  # None: 0.9 on a GPU, 0.05 on a CPU
@@ -29,6 +30,8 @@ class LaunchConfig:
     max_body_bytes: int = 1 << 20
     max_connections: int = 1024
     header_timeout: float = 10.0
+    engine_cache: Path | None = None  # None: engines from a store are read, not cached
+    store_deadline: float = 30.0
     mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
     comm_iface: str | None = None  # the ranks' interface (else GLOO/NCCL_SOCKET_IFNAME, else auto)
     hosts: str | None = None  # mpirun --host (several hosts), when `serve launch` starts mpirun
@@ -36,6 +39,9 @@ class LaunchConfig:
     mpirun_args: tuple[str, ...] = ()  # more of mpirun's own arguments, passed through
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", str(self.engine))
+        if not self.store_deadline > 0:
+            raise ValueError(f"--store-deadline must be positive, got {self.store_deadline}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.kv_cache_fraction is not None and self.kv_cache_tokens is not None:
@@ -46,8 +52,8 @@ class LaunchConfig:
             raise ValueError(f"--kv-cache-tokens must be positive, got {self.kv_cache_tokens}")
         if self.max_queue < 1:
             raise ValueError(f"--max-queue must be at least 1, got {self.max_queue}")
-        if self.warmup not in ("auto", "none"):
-            raise ValueError(f"--warmup must be auto or none, got {self.warmup!r}")
+        if self.warmup not in ("auto", "full", "none"):
+            raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is not None and not self.api_key.strip():
@@ -71,7 +77,18 @@ def parser() -> argparse.ArgumentParser:
         prog="serve launch",
         description="Serve a built engine: run under `mpirun -n TP`, one rank per engine rank.",
     )
-    p.add_argument("--engine", required=True, type=Path, help="engine directory (pipeline build prints it)")
+    p.add_argument("--engine", required=True,
+                   help="engine directory (pipeline build prints it), or an engine in a store: "
+                   "STORE/MODEL@TAG or STORE/MODEL/ENGINE_ID, STORE being s3://BUCKET/PREFIX "
+                   "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                   "AWS_SECRET_ACCESS_KEY, AWS_REGION) or a store directory")
+    p.add_argument("--engine-cache", default=None,
+                   help="local cache of engines read from S3, keyed by engine id and verified "
+                   "by hash (default: $AOT_LLM_CACHE/engines or ~/.cache/aot-llm/engines, as "
+                   "`pipeline pull`); 'none' reads every start from the store")
+    p.add_argument("--store-deadline", type=float, default=30.0,
+                   help="seconds a store request may take, retries included, before the start "
+                   "fails naming the object (default 30)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks a free one)")
     kv = p.add_mutually_exclusive_group()
@@ -84,9 +101,12 @@ def parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests admitted at once before 429 (default 256)")
-    p.add_argument("--warmup", choices=("auto", "none"), default="auto",
-                   help="run the build profile's shapes before admission (default auto); "
-                   "the golden check runs either way")
+    p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",
+                   help="auto (default): on a GPU the build profile's shapes, largest first; on "
+                   "a CPU the golden check's two steps (prefill, then decode at the largest "
+                   "batch) are the warmup, a compiled CPU step having no per-shape state; "
+                   "full: the profile's shapes on any device; none: the golden check alone, "
+                   "which runs in every case")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -126,12 +146,19 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str]) -> LaunchConfig:
     ns = parser().parse_args(argv)
+    if ns.engine_cache is None:
+        from contract.refs import default_cache
+
+        cache: Path | None = default_cache()
+    else:
+        cache = None if ns.engine_cache.lower() == "none" else Path(ns.engine_cache)
     return LaunchConfig(
         engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
-        header_timeout=ns.header_timeout, mpirun=ns.mpirun, comm_iface=ns.comm_iface,
+        header_timeout=ns.header_timeout, engine_cache=cache, store_deadline=ns.store_deadline,
+        mpirun=ns.mpirun, comm_iface=ns.comm_iface,
         hosts=ns.hosts, hostfile=ns.hostfile, mpirun_args=tuple(ns.mpirun_args),
     )

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from contract.errors import BuildError
-from contract.manifest import read_manifest
+from runtime.engine_source import engine_tp
 from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpirun_argv
 from serve.launch import LaunchConfig
 
@@ -182,8 +182,8 @@ class Launcher:
 
 def launch(argv: list[str], cfg: LaunchConfig) -> int:
     """Start `mpirun -n TP serve launch ...` (TP from the engine's manifest) and own it."""
-    try:
-        tp = read_manifest(cfg.engine).tp
+    try:  # an engine in a store: its manifest (the cache's when it is the one pinned)
+        tp = engine_tp(cfg.engine, cfg.engine_cache, cfg.store_deadline)
     except BuildError as e:
         print(e, file=sys.stderr)
         return e.exit_code

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
-from serve.api import HttpServerHandle, ServerState
 from serve.backends import Backend, EngineFault
 from serve.gates import GateFailure, GateLog
 from serve.launch import EXIT_DRAIN_CUT
@@ -16,6 +17,8 @@ from serve.startup import Evidence, Startup, engine_summary, read_generation_eos
 
 if TYPE_CHECKING:
     from runtime.comm import Comm
+    from runtime.tokenizer import FastTokenizer
+    from serve.api import HttpServerHandle, ServerState
     from serve.launch import LaunchConfig
     from serve.worker import Lifecycle
 
@@ -25,20 +28,39 @@ PEER_LOST_WAIT_S = 1.0  # an engine failure: how long a dead peer's hang-up may 
 
 
 class Rank0:
-    def __init__(self, cfg: LaunchConfig, comm: Comm, life: Lifecycle, state: ServerState,
-                 http: HttpServerHandle, threads: dict[str, object] | None = None) -> None:
-        self.cfg, self.comm, self.life, self.state, self.http = cfg, comm, life, state, http
+    def __init__(self, cfg: LaunchConfig, comm: Comm, life: Lifecycle,
+                 threads: dict[str, object] | None = None) -> None:
+        from serve.worker import HttpStartup
+
+        self.cfg, self.comm, self.life = cfg, comm, life
         self.threads = threads or {}
         self.log = GateLog()
         self.st = Startup(cfg, comm, self.log, interrupted=life.drain.is_set)
         self.backend: Backend | None = None
+        self._tok_thread: threading.Thread | None = None
+        self._tok: FastTokenizer | None = None
+        self._tok_error = ""
+        self._tok_s = 0.0
+        self._http = HttpStartup(cfg, self._attach)
+
+    def _attach(self, state: ServerState) -> None:
+        """The HTTP state, before it answers its first request: the timeline and report."""
         state.gates = self.log.to_list
         state.engine_report = self.report
+
+    @property
+    def state(self) -> ServerState:
+        return self._http.wait()[0]
+
+    @property
+    def http(self) -> HttpServerHandle:
+        return self._http.wait()[1]
 
     def report(self) -> dict[str, Any]:
         m = self.st.manifest
         return {
-            "engine": engine_summary(m) if m else None,
+            # What --engine named (a tag, say) beside the engine id it resolved to.
+            "engine": {**engine_summary(m), "resolved_from": self.cfg.engine} if m else None,
             "gates": self.log.to_list(),
             "load": self.st.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
@@ -50,31 +72,78 @@ class Rank0:
         }
 
     def _tokenizer(self, ev: Evidence) -> None:
-        """Gate 1 on rank 0: the tokenizer, and with it the ids that end a sequence."""
-        from transformers import AutoTokenizer
-
-        m, model, files = self.st.manifest, self.st.model, self.st.files
-        assert m is not None and model is not None and files is not None
+        """Gate 1 on rank 0: the tokenizer files, verified; the tokenizer itself loads on a
+        thread of its own while the other gates run (it is needed only at admission)."""
+        files = self.st.files
+        assert files is not None
         # Only the tokenizer files the manifest lists, from their verified copies.
         files.get_listed((*TOKENIZER_FILES, GENERATION_CONFIG))
+        self._tok_thread = threading.Thread(target=self._load_tokenizer, name="tokenizer",
+                                            daemon=True)
+        self._tok_thread.start()
+        ev["tokenizer"] = "loading beside the other gates"
+        m = self.st.manifest
+        if m is not None and m.backend == "trtllm":  # its kernels gate needs the eos ids
+            self._tokenizer_ready(ev)
+
+    def _load_tokenizer(self) -> None:
+        from runtime.tokenizer import FastTokenizer
+
+        t0 = time.perf_counter()
+        files = self.st.files
+        assert files is not None
         try:
-            tok = AutoTokenizer.from_pretrained(files.dir)
-        except (OSError, ValueError) as e:
-            raise GateFailure("resolve", f"the engine has no usable tokenizer ({e})",
-                              "rebuild from a checkpoint that includes its tokenizer files") from None
+            tok = FastTokenizer(files.dir)
+        except Exception as e:  # a missing or unreadable tokenizer.json, a bad config
+            self._tok_error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            self._tok_s = time.perf_counter() - t0
+            return
+        # What the first request would otherwise pay: jinja2's import and the template's
+        # compilation, the first encode and decode.
+        with contextlib.suppress(Exception):  # a template may refuse this conversation
+            tok.decode(tok.encode("Hello"), skip_special_tokens=True)
+            if tok.chat_template:
+                tok.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                        add_generation_prompt=True)
+        self._tok = tok
+        self._tok_s = time.perf_counter() - t0
+
+    def _tokenizer_ready(self, ev: Evidence | None = None) -> None:
+        """Before admission: the tokenizer, and with it the ids that end a sequence."""
+        assert self._tok_thread is not None
+        if self.state.tokenizer is not None:
+            return
+        self._tok_thread.join()
+        if self._tok is None:
+            raise GateFailure("resolve", f"the engine has no usable tokenizer ({self._tok_error})",
+                              "rebuild from a checkpoint that includes its tokenizer files")
+        m, model, files = self.st.manifest, self.st.model, self.st.files
+        assert m is not None and model is not None and files is not None
+        tok = self._tok
         self.state.tokenizer = tok
         self.state.model_name = m.model_name
         self.state.max_seq_len = m.profile.max_seq_len
         self.state.stop_token_ids = read_generation_eos(files.dir)
         self.state.vocab_size = model.vocab_size
         eos = tuple(dict.fromkeys((*self.state.eos_token_ids(), *model.eos_token_ids)))
-        pad = getattr(tok, "pad_token_id", None)
+        pad = tok.pad_token_id
         self.st.eos_token_ids = eos
         self.st.pad_id = int(pad) if isinstance(pad, int) else (eos or (0,))[0]
-        ev["tokenizer"] = type(tok).__name__
+        found = {"tokenizer": type(tok).__name__, "tokenizer_s": round(self._tok_s, 3),
+                 "tokenizer_vocab": len(tok)}
+        if ev is not None:  # still inside gate 1
+            ev.update(found)
+        else:
+            self.log.amend("resolve", **found)
 
     def startup(self) -> Backend:
-        backend = self.st.run(on_resolved=self._tokenizer)
+        self.st.run(on_resolved=self._tokenizer, until="kernels")
+        # Liveness before the warmup: the HTTP layer came up on its thread while the gates
+        # ran (it is needed for admission anyway), so a probe or a stop signal always finds
+        # the job still starting, never past a warmup that raced it.
+        _ = self.http
+        backend = self.st.run_gate("warmup")
+        self._tokenizer_ready()
         with self.log.run("admission") as ev:
             executor = backend.open(ev)
             self.comm.allgather("admitted")
@@ -105,14 +174,20 @@ class Rank0:
         self.life.exit_now(1)
 
     def run(self) -> int:
+        from serve.worker import HttpStartupFailed
+
         try:
             self.backend = backend = self.startup()
         except GateFailure as e:
-            self.state.readiness.set("failed", str(e))
             self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
-            self.http.stop(timeout=2)
+            with contextlib.suppress(Exception):  # an HTTP layer that never came up
+                self.state.readiness.set("failed", str(e))
+                self.http.stop(timeout=2)
             return 1
+        except HttpStartupFailed as e:  # e.g. the port was taken after all
+            self.life.error(f"{e} — choose another --port or stop the other server")
+            return 2
         log.info("admission open; cold start:\n%s", self.log.table())
         cut = self._serve(backend)
         backend.finalize()

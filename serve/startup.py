@@ -9,6 +9,9 @@ on a dead peer.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +19,21 @@ from typing import Any
 
 from contract.errors import BuildError
 from contract.layout import GENERATION_CONFIG
-from contract.manifest import Manifest, read_manifest
+from contract.manifest import Manifest
 from runtime.comm import Comm
 from runtime.engine_files import EngineFiles
+from runtime.engine_source import EngineSource, Pinned, StoreSource, open_source
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
 from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
 
+log = logging.getLogger("serve")
+# Fault injection for lifecycle tests: "GATE:SECONDS" holds every rank at the start of that
+# gate (a stop signal ends the hold), so a signal can be sent while start-up is certainly
+# in progress however fast the gates are.
+GATE_DELAY_ENV = "AOTLLM_INJECT_GATE_DELAY"
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
          "warmup")
@@ -44,6 +53,9 @@ class Startup:
     model: ModelConfig | None = None
     backend: Backend | None = None
     files: EngineFiles | None = None  # verified private copies of what the gates read
+    source: EngineSource | None = None  # where the engine is read from (directory, store)
+    pinned: Pinned | None = None  # rank 0's resolution of a store reference
+    pin_error: tuple[str, str] | None = None
     rank_loads: list[Evidence] = field(default_factory=list)  # every rank's load evidence
     # Rank 0 learns these from the tokenizer in gate 1; the backend reads them afterwards.
     eos_token_ids: tuple[int, ...] = ()
@@ -53,11 +65,20 @@ class Startup:
     def rank(self) -> int:
         return self.comm.rank
 
+    def _injected_delay(self, name: str) -> None:
+        gate, _, secs = os.environ.get(GATE_DELAY_ENV, "").partition(":")
+        if gate != name:
+            return
+        t_end = time.monotonic() + float(secs or 0)
+        while time.monotonic() < t_end and not self.interrupted():
+            time.sleep(0.02)
+
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
         """Run one gate here, then agree with every rank on its outcome. A body may leave
         facts about its host in evidence[HOST_FACTS]: rank 0 records every rank's, by host."""
         err: GateFailure | None = None
         facts: Any = None
+        self._injected_delay(name)
         if self.interrupted():
             err = shutdown_requested(name)
         else:
@@ -101,6 +122,7 @@ class Startup:
             until: str = GATES[-1]) -> Backend:
         """Gates 1-9 (or up to `until`) in order; raises GateFailure naming the first that
         failed on any rank."""
+        self._pin()
         self.gate("resolve", lambda ev: self._resolve(ev, on_resolved))
         backend = self.backend
         assert backend is not None
@@ -108,17 +130,65 @@ class Startup:
             self.gate(name, getattr(backend, name))
         return backend
 
-    def _resolve(self, ev: Evidence, on_resolved: Callable[[Evidence], None] | None) -> None:
+    def run_gate(self, name: str) -> Backend:
+        """One more backend gate after `run(until=...)` stopped short of it."""
+        backend = self.backend
+        assert backend is not None
+        self.gate(name, getattr(backend, name))
+        return backend
+
+    def _pin(self) -> None:
+        """Before gate 1, on every rank: rank 0 turns a store reference (a tag) into an
+        engine id and reads its manifest, and every rank takes rank 0's answer, so all of
+        them serve the same engine even when the tag moves meanwhile."""
         try:
-            m = read_manifest(self.cfg.engine)
+            self.source = open_source(self.cfg.engine, self.cfg.engine_cache,
+                                      deadline=self.cfg.store_deadline)
+        except BuildError as e:  # the same on every rank: they parse the same argument
+            self.pin_error = (e.cause, e.remedy)
+            return
+        if not isinstance(self.source, StoreSource):
+            return
+        wire: dict[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                wire = self.source.pin().to_wire()
+            except BuildError as e:
+                wire = {"error": [e.cause, e.remedy]}
+        wire = self.comm.allgather(wire)[0]
+        if "error" in wire:
+            self.pin_error = (wire["error"][0], wire["error"][1])
+        else:
+            self.pinned = Pinned.from_wire(wire)
+
+    def _resolve(self, ev: Evidence, on_resolved: Callable[[Evidence], None] | None) -> None:
+        if self.pin_error is not None:
+            raise GateFailure("resolve", *self.pin_error)
+        source = self.source
+        assert source is not None
+        try:
+            if isinstance(source, StoreSource):
+                assert self.pinned is not None
+                m = source.adopt(self.pinned)
+                ev.update(self.pinned.evidence)
+                if source.local:  # a store directory: serve the engine's own directory
+                    self.source = source = EngineSource(source.engine_dir())
+                    m = source.read_manifest()
+            else:
+                m = source.read_manifest()
         except BuildError as e:
             raise GateFailure("resolve", e.cause, e.remedy) from None
         self.manifest = m
-        self.files = EngineFiles(self.cfg.engine, m)
+        self.files = source.open(m)
         self.backend = make_backend(m.backend, self)
         self.backend.resolve(ev)
         ev.update(engine_id=m.engine_id, model=m.model_name, backend=m.backend, tp=m.tp,
-                  dtype=m.dtype, schema=m.schema_version)
+                  dtype=m.dtype, schema=m.schema_version, source=source.where)
+        if m.engine_id != (self.pinned.engine_id if self.pinned else m.engine_id):
+            raise GateFailure("resolve", f"{source.where} holds engine {m.engine_id}, not the "
+                              f"pinned {self.pinned.engine_id if self.pinned else ''}",
+                              "push the engine again")
+        log.info("serving engine %s/%s from %s", m.model_name, m.engine_id, source.where)
         if on_resolved is not None:
             on_resolved(ev)
 

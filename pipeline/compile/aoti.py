@@ -4,7 +4,8 @@ Weights are left out of the package (`package_constants_in_so=False`) and bound 
 with `load_constants(..., user_managed=True)`, so loading weights and loading kernels
 are separate gates at serve time. Every rank's program is the same (local shapes are
 equal and the rank-specific vocabulary offset is a bound parameter), so it is compiled
-once and written as each rank's `rank{N}.pt2`.
+once and written as each rank's `rank{N}.pt2`, and unpacked as `rank{N}.aoti/`, which is what
+the server loads (pipeline/compile/extract.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.export import Dim
 
-from contract.layout import KERNELS_LIB, rank_package
+from contract.layout import KERNELS_LIB, rank_package, rank_package_dir
 from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from contract.target import Target
+from pipeline.compile.extract import extract_package
 from pipeline.compile.kernels import build_kernels
 from pipeline.progress import Progress
 from runtime import kernels
@@ -138,4 +140,6 @@ def compile_engine(
         dst = engine_dir / rank_package(rank)
         shutil.copyfile(first, dst)
         paths.append(dst)
+    for rank in range(tp):  # unpacked once here, not by the loader at every start
+        extract_package(first, engine_dir / rank_package_dir(rank))
     return paths

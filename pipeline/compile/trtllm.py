@@ -29,7 +29,7 @@ from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from pipeline.progress import Progress
 from runtime.checkpoint import read_model_config, write_engine_model_config
-from runtime.executors.trtllm import import_trtllm, load_model_config
+from runtime.executors.trtllm_setup import import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
 
 TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before hashing

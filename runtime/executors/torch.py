@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_shard
+from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
 from contract.quant import NONE, Quantization
 from runtime import kernels
 from runtime.checkpoint import (
@@ -38,8 +42,20 @@ def make_step_fn(
         assert engine_dir is not None
         if (engine_dir / KERNELS_LIB).is_file():  # the ops the package calls, first
             kernels.load(engine_dir / KERNELS_LIB)
-        return load_step_fn(engine_dir / rank_package(tp.rank), weights, device)
+        return load_step_fn(package_path(engine_dir, tp.rank), weights, device)
     raise ValueError(f"backend {backend!r} has no torch step function")
+
+
+def package_files(names: Iterable[str], rank: int) -> list[str]:
+    """The engine files a rank's compiled package loads from: its unpacked directory
+    (rank{N}.aoti/, engines built since it exists) or else the zip (rank{N}.pt2)."""
+    prefix = rank_package_dir(rank) + "/"
+    return [n for n in names if n.startswith(prefix)] or [rank_package(rank)]
+
+
+def package_path(engine_dir: Path, rank: int) -> Path:
+    unpacked = engine_dir / rank_package_dir(rank)
+    return unpacked if unpacked.is_dir() else engine_dir / rank_package(rank)
 
 
 def allocate_kv_cache(
@@ -47,7 +63,18 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     # Zeroed, so the null block and never-written slots hold finite values.
     shape = kv_cache_shape(cfg, tp, num_blocks, block_size)
-    return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+    if device != "cpu":
+        return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+    # On the host: fresh anonymous pages, which the kernel hands out zeroed when first
+    # touched. torch.zeros would write every page now (0.5 s for 250 MB on a loaded host);
+    # these fault in block by block as the cache fills. The tensor keeps the mapping alive.
+    td = torch_dtype(dtype)
+    nbytes = math.prod(shape) * td.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    return flat.view(td).view(shape)
 
 
 def runner_from_checkpoint(
@@ -83,7 +110,9 @@ def runner_from_engine(
     if files is not None:
         files.check(rank_shard(tp.rank), shard.sha256)
         if backend == "aoti":
-            src = files.get(rank_package(tp.rank)).parent
+            for name in package_files(files.entries, tp.rank):
+                files.get(name)
+            src = files.dir
             files.get_listed((KERNELS_LIB,))
     step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device, quant)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)

@@ -20,125 +20,32 @@ TokenEvents, and reads the iteration statistics (which drain on read) into a sna
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from contract.errors import BuildError
-from contract.layout import MODEL_CONFIG_TRTLLM
-from runtime.checkpoint import load_engine_model_config
-from runtime.models.config import ModelConfig
+from runtime.executors.trtllm_request import chosen_logprobs, make_request
+from runtime.executors.trtllm_setup import bindings
 from runtime.types import (
     EventCallback,
     ExecutorStats,
     FinishReason,
     SamplingParams,
     TokenEvent,
-    TokenLogprob,
-    UnsupportedParameter,
 )
 
 log = logging.getLogger("serve.trtllm")
 POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
 CANCEL_WAIT_S = 5.0  # shutdown: how long cancelled requests may take to end
 SHUTDOWN_WAIT_S = 30.0  # shutdown: how long Executor.shutdown() may block
-SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
 # TensorRT-LLM's finish reasons (reference §2.1) -> ours; TIMED_OUT and unknown ones are errors.
 _FINISH: dict[str, FinishReason] = {
     "END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
 }
-
-
-INSTALL = (
-    "pip install '.[trtllm]' --extra-index-url https://pypi.nvidia.com "
-    "(TensorRT-LLM 1.2.x and its TensorRT) on a host with an NVIDIA GPU"
-)
-
-
-def import_trtllm() -> ModuleType:
-    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage).
-
-    Under MPI the import is a collective (`tensorrt_llm/_utils.py` splits COMM_WORLD at import
-    time): every rank must import it, or the others block in their import. A job checks
-    `trtllm_missing()` on every rank and agrees before any rank imports it."""
-    return importlib.import_module("tensorrt_llm")
-
-
-def trtllm_missing() -> str | None:
-    """Why `tensorrt_llm` (or `tensorrt`) cannot be imported here, without importing it (no
-    MPI collective); None when both are installed."""
-    absent = [m for m in ("tensorrt_llm", "tensorrt") if importlib.util.find_spec(m) is None]
-    return f"No module named {absent[0]!r}" if absent else None
-
-
-def trtllm_mpi_world() -> tuple[int, int]:
-    """(rank, world size) as TensorRT-LLM's MPI library sees this process."""
-    from tensorrt_llm._utils import mpi_rank, mpi_world_size
-
-    return int(mpi_rank()), int(mpi_world_size())
-
-
-def trtllm_versions() -> dict[str, str]:
-    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT."""
-    try:
-        tllm = import_trtllm()
-        trt = importlib.import_module("tensorrt")
-    except ImportError as e:
-        raise BuildError(f"TensorRT-LLM or TensorRT is not installed ({e})", INSTALL) from e
-    return {"tensorrt_llm": str(tllm.__version__), "tensorrt": str(trt.__version__)}
-
-
-def load_model_config(engine_dir: Path) -> ModelConfig:
-    """Our model config of a TensorRT-LLM engine (its config.json is TensorRT-LLM's)."""
-    return load_engine_model_config(engine_dir, MODEL_CONFIG_TRTLLM)
-
-
-def _tx() -> ModuleType:
-    return importlib.import_module("tensorrt_llm.bindings.executor")
-
-
-def kv_cache_config(fraction: float | None, tokens: int | None) -> Any:
-    """--kv-cache-fraction -> free_gpu_memory_fraction, --kv-cache-tokens -> max_tokens;
-    neither: TensorRT-LLM's default (90% of the memory free after the engine)."""
-    tx = _tx()
-    return tx.KvCacheConfig(
-        free_gpu_memory_fraction=None if fraction is None else float(fraction),
-        max_tokens=None if tokens is None else int(tokens),
-    )
-
-
-def executor_config(kv: Any) -> Any:
-    tx = _tx()
-    return tx.ExecutorConfig(
-        max_beam_width=1,
-        scheduler_config=tx.SchedulerConfig(
-            capacity_scheduler_policy=tx.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
-        ),
-        kv_cache_config=kv,
-        # The engine is built with paged context FMHA, so long prompts are chunked.
-        enable_chunked_context=True,
-        batching_type=tx.BatchingType.INFLIGHT,
-        parallel_config=tx.ParallelConfig(
-            communication_type=tx.CommunicationType.MPI,
-            communication_mode=tx.CommunicationMode.LEADER,
-        ),
-    )
-
-
-def construct_executor(engine_dir: Path, kv: Any) -> Any:
-    """Every rank: deserialize rank{N}.engine, allocate the KV cache, start the executor
-    thread (blocks until done). Raises whatever TensorRT-LLM raises."""
-    tx = _tx()
-    return tx.Executor(str(engine_dir), tx.ModelType.DECODER_ONLY, executor_config(kv))
 
 
 @dataclass(slots=True)
@@ -156,7 +63,7 @@ class TrtllmExecutor:
     def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
                  poll_s: float = POLL_S) -> None:
         self._ex = ex
-        self._tx = _tx()
+        self._tx = bindings()
         self.eos_token_ids = eos_token_ids
         self.pad_id = pad_id
         self._poll = timedelta(seconds=poll_s)
@@ -215,50 +122,7 @@ class TrtllmExecutor:
     # ---- requests ---------------------------------------------------------------------
 
     def make_request(self, prompt: list[int], params: SamplingParams) -> Any:
-        """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
-
-        Mapped: penalties, min_tokens and seed (SamplingConfig), the chosen token's
-        log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
-        (a 400 naming the field): what the Executor cannot do as this adapter drives it
-        (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
-        Request (guided decoding needs a GuidedDecodingConfig in the ExecutorConfig; n > 1
-        needs responses dispatched by sequence_index)."""
-        tx = self._tx
-        _refuse_unmapped(params)
-        eos = () if params.ignore_eos else self.eos_token_ids
-        stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
-        # end_id ends generation and is not output; other stop ids become one-token stop
-        # words (output, as our torch executor outputs its stop token; the HTTP layer hides
-        # eos ids from the text either way).
-        end_id = eos[0] if eos else None
-        stop_words = [[t] for t in stops if t != end_id]
-        # None leaves TensorRT-LLM's default (no penalty), as the neutral values mean.
-        # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
-        greedy = params.greedy
-        # Without a seed TensorRT-LLM seeds every request with 0, so identical prompts would
-        # get identical "random" samples (NVIDIA/TensorRT-LLM #1000, #2411).
-        seed = params.seed
-        if seed is None and not greedy:
-            seed = secrets.randbits(SEED_BITS)
-        sampling = tx.SamplingConfig(
-            beam_width=1, top_k=1 if greedy else params.top_k or None,
-            top_p=None if greedy else float(params.top_p),
-            temperature=None if greedy else float(params.temperature), seed=seed,
-            min_tokens=params.min_tokens or None,
-            repetition_penalty=_unless(params.repetition_penalty, 1.0),
-            presence_penalty=_unless(params.presence_penalty, 0.0),
-            frequency_penalty=_unless(params.frequency_penalty, 0.0),
-        )
-        return tx.Request(
-            [int(t) for t in prompt], int(params.max_tokens),
-            streaming=True,
-            sampling_config=sampling,
-            output_config=tx.OutputConfig(exclude_input_from_output=True,
-                                          return_log_probs=params.logprobs is not None),
-            end_id=end_id,
-            pad_id=self.pad_id,
-            stop_words=stop_words or None,
-        )
+        return make_request(self._tx, prompt, params, self.eos_token_ids, self.pad_id)
 
     # ---- the await thread ----------------------------------------------------------------
 
@@ -295,7 +159,7 @@ class TrtllmExecutor:
         live.emitted += len(tokens)
         with self._lock:
             self._generation_tokens += len(tokens)
-        logprobs = _logprobs(result, tokens)
+        logprobs = chosen_logprobs(result, tokens)
         if not result.is_final:
             if tokens:
                 live.on_event(TokenEvent(live.request_id, tokens, None, live.num_prompt_tokens,
@@ -455,33 +319,3 @@ class TrtllmExecutor:
 
 
 _GENERATE_IDS = itertools.count()
-
-
-def _unless(value: float, neutral: float) -> float | None:
-    return None if value == neutral else float(value)
-
-
-def _refuse_unmapped(params: SamplingParams) -> None:
-    refuse = [
-        ("logprobs", bool(params.logprobs), "top alternatives per token (only the chosen "
-         "token's log-probability) are"),
-        ("prompt_logprobs", params.prompt_logprobs is not None,
-         "prompt log-probabilities (echo with logprobs) are"),
-        ("logit_bias", bool(params.logit_bias), "logit_bias is"),
-        ("guided", params.guided is not None, "structured output (response_format) is"),
-        ("num_sequences", params.num_sequences > 1, "more than one sequence per request "
-         "(n, best_of) is"),
-    ]
-    for name, asked, what in refuse:
-        if asked:
-            raise UnsupportedParameter(name, f"{what} not supported by the trtllm backend")
-
-
-def _logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
-    """The chosen tokens' log-probabilities (return_log_probs): the last len(tokens)
-    entries of the first sequence's list."""
-    lps = result.log_probs
-    if not lps or not tokens:
-        return None
-    values = [float(v) for v in lps[0]][-len(tokens):]
-    return [TokenLogprob(t, v) for t, v in zip(tokens, values)]

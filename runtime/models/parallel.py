@@ -15,7 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed._functional_collectives  # registers the _c10d_functional ops
+
+# The functional collective ops themselves, not funcol's Python wrappers: the wrappers ask
+# whether a tracer is active, and the first such question imports torch._dynamo (6-7 s of
+# a loaded host's start-up, in the first eager step). Traced by torch.export, these are the
+# ops funcol emits anyway (the collective, then wait_tensor).
+_C10D = torch.ops._c10d_functional
 
 WORLD_GROUP_NAME = "0"
 
@@ -36,7 +42,7 @@ class TPContext:
             return x
         if self.use_kernels:
             return torch.ops.aotllm.all_reduce(x, self.group_name, self.size)
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group_name))
+        return _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self.group_name))
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] on each rank -> [n, size * d], rank-major along the last dim."""
@@ -45,6 +51,7 @@ class TPContext:
         if self.use_kernels:
             g = torch.ops.aotllm.all_gather(x, self.group_name, self.size)  # [size * n, d]
         else:
-            g = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, self.group_name))
+            g = _C10D.wait_tensor(
+                _C10D.all_gather_into_tensor(x.contiguous(), self.size, self.group_name))
         n, d = x.shape
         return g.view(self.size, n, d).permute(1, 0, 2).reshape(n, self.size * d)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contract.manifest import Manifest
 from runtime.engine_files import EngineFiles
+from runtime.engine_source import EngineSource
 from serve.gates import GateFailure
 
 if TYPE_CHECKING:
@@ -50,6 +52,22 @@ class Backend(ABC):
         assert self.st.files is not None, "gate 1 (resolve) reads the manifest first"
         return self.st.files
 
+    @property
+    def source(self) -> EngineSource:
+        assert self.st.source is not None, "gate 1 (resolve) opens the engine first"
+        return self.st.source
+
+    @property
+    def engine_dir(self) -> Path:
+        """The engine's local directory, for backends whose runtime reads it itself."""
+        d = self.source.local_dir
+        if d is None:
+            raise GateFailure("resolve", f"this engine's runtime reads a directory, and "
+                              f"{self.source.where} is in an object store",
+                              f"pull it first (`pipeline pull {self.source.where}`) and serve "
+                              "the directory it prints")
+        return d
+
     # ---- gates -------------------------------------------------------------------------
 
     @abstractmethod
@@ -75,6 +93,12 @@ class Backend(ABC):
         from serve.startup import HOST_FACTS
 
         entries = self.manifest.rank_files(self.rank)
+        facts = ev.setdefault(HOST_FACTS, {})
+        if self.source.local_dir is None:  # an engine in a store: each rank reads its own
+            # objects (or its cache's verified copies); a missing one is named when read.
+            facts.update(files=len(entries), bytes=sum(f.size for f in entries),
+                         source="store")
+            return
         bad = self.files.missing([f.path for f in entries])
         if bad:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -83,7 +107,6 @@ class Backend(ABC):
                 f"missing or of the wrong size in {self.cfg.engine}",
                 "give every host the same engine at the same path (a shared volume, or pull it "
                 "by tag on each host), then `pipeline verify` it there")
-        facts = ev.setdefault(HOST_FACTS, {})
         facts.update(files=len(entries), bytes=sum(f.size for f in entries))
 
     @abstractmethod
@@ -102,14 +125,19 @@ class Backend(ABC):
         bad = [name for name, digest in self.loaded.items() if expected.get(name) != digest]
         if bad:
             raise GateFailure(
-                "verify", f"{', '.join(bad)} does not match the manifest's sha256 (corrupted or "
-                "modified)", f"restore or rebuild the engine; `pipeline verify {self.cfg.engine}` "
-                "lists every bad file")
+                "verify", f"{', '.join(self._where(n) for n in bad)} does not match the "
+                "manifest's sha256 (corrupted or modified)",
+                f"restore or rebuild the engine; {self.source.verify_hint}")
         for rel in self.small_files():
             self.files.get(rel)
         first = next(iter(self.loaded.values()), "")
         ev.update(files=[*self.loaded, *(f for f in self.files.verified if f not in self.loaded)],
                   sha256=first[:16], hashed_while_loading=True)
+
+    def _where(self, name: str) -> str:
+        """A file as a person finds it: its object's URL when it came from a store."""
+        loaded_from = self.st.log.evidence("load").get("object")
+        return loaded_from if loaded_from and loaded_from.endswith("/" + name) else name
 
     def init_collectives(self) -> str:
         """Bring up the data plane between ranks; returns what it is (connect evidence)."""

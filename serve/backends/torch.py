@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_shard
+from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
 from runtime import kernels
 from runtime.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.engine import LLMEngine, worker_loop
-from runtime.executors.torch import allocate_kv_cache, make_step_fn
-from runtime.golden import check_golden, run_golden
+from runtime.engine_source import StoreSource
+from runtime.executors.torch import allocate_kv_cache, make_step_fn, package_files
+from runtime.golden import check_golden, run_golden, run_golden_forced
 from runtime.host import host_matches
-from runtime.loader import LoadedShard, load_shard
+from runtime.loader import LoadedShard
 from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
@@ -122,25 +123,55 @@ class TorchBackend(Backend):
     # ---- 4 load, 5 verify (base), 6 connect -------------------------------------------
 
     def load(self, ev: Evidence) -> None:
-        self.files.require(rank_shard(self.rank))
-        path = self.cfg.engine / rank_shard(self.rank)
-        read_gbps, mode = floors.storage_read_gbps(path)
-        fl: dict[str, Any] = {"storage_read_gbps": round(read_gbps, 3), "storage_mode": mode,
-                              "host_copy_gbps": round(floors.host_copy_gbps(), 3)}
+        name = rank_shard(self.rank)
+        entry = self.files.require(name)
+        fl = self._floors(name, entry.size)
+        self.shard, how = self.source.load_shard(name, self.device)
+        shard = self.shard
+        self.loaded = {name: shard.sha256}
+        floor_key = "store_read_gbps" if how["from"] == "store" else "storage_read_gbps"
+        floor = fl.get(floor_key) or 0.0
+        ev.update(rank=self.rank, bytes=shard.nbytes, read_s=round(shard.read_s, 4),
+                  gbps=round(shard.read_gbps, 3), h2d_s=round(shard.h2d_s, 4), floors=fl, **how,
+                  vs_floor=round(shard.read_gbps / floor, 3) if floor else None,
+                  floor=floor_key,
+                  vs_host_copy_floor=round(shard.read_gbps / fl["host_copy_gbps"], 3))
+
+    def _floors(self, name: str, size: int) -> dict[str, Any]:
+        """The floors the load is measured against: the storage it reads (a local file, or
+        the store's ranged GETs of its probe object) and the host memory copy."""
+        fl: dict[str, Any] = {}
+        src, entry = self.source, self.files.require(name)
+        if isinstance(src, StoreSource):
+            path = src.cache.lookup(src.ref.model, src.engine_id, entry) if src.cache else None
+            if path is None:
+                gbps, what = floors.store_read_gbps(src.store, src.key(name), size)
+                fl.update(store_read_gbps=round(gbps, 3), store_probe=what)
+        else:
+            path = src.shard_path(name)
+        if path is not None:
+            read_gbps, mode = floors.storage_read_gbps(path)
+            fl.update(storage_read_gbps=round(read_gbps, 3), storage_mode=mode)
+        fl["host_copy_gbps"] = round(floors.host_copy_gbps(), 3)
         if self.device.startswith("cuda"):
             fl["h2d_gbps"] = round(floors.h2d_gbps(self.device), 3)
-        self.shard = shard = load_shard(path, self.device)
-        self.loaded = {path.name: shard.sha256}
-        ev.update(rank=self.rank, bytes=shard.nbytes, read_s=round(shard.read_s, 4),
-                  gbps=round(shard.read_gbps, 3), h2d_s=round(shard.h2d_s, 4), floors=fl,
-                  vs_storage_floor=round(shard.read_gbps / read_gbps, 3) if read_gbps else None,
-                  vs_host_copy_floor=round(shard.read_gbps / fl["host_copy_gbps"], 3))
+        return fl
+
+    def verify(self, ev: Evidence) -> None:
+        super().verify(ev)
+        assert self.shard is not None
+        self.source.keep(rank_shard(self.rank), self.shard)  # verified: may be cached
 
     def small_files(self) -> tuple[str, ...]:
         if self.manifest.backend == "aoti":  # native code: loaded from the verified copy
             listed = (KERNELS_LIB,) if self.files.listed(KERNELS_LIB) else ()
-            return (rank_package(self.rank), *listed)
+            return (*package_files(self.files.entries, self.rank), *listed)
         return ()
+
+    def connect(self, ev: Evidence) -> None:
+        super().connect(ev)  # an all-gather: every rank has verified (and cached) its files
+        if self.rank == 0:
+            ev.update(self.source.finish())
 
     def init_collectives(self) -> str:
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
@@ -196,41 +227,64 @@ class TorchBackend(Backend):
         self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
                                   token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
         self.runner.keepalive = shard
-        pkg = self.files.dir / rank_package(self.rank)
+        names = package_files(self.files.entries, self.rank) if m.backend == "aoti" else []
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
-                  package_bytes=pkg.stat().st_size if pkg.exists() else 0)
+                  package=(rank_package_dir(self.rank) if len(names) > 1 or
+                           names[:1] != [rank_package(self.rank)] else rank_package(self.rank))
+                  if names else None,
+                  package_bytes=sum(self.files.entries[n].size for n in names))
 
     def warmup(self, ev: Evidence) -> None:
+        """Rank 0 drives; the golden record is checked in two steps (a teacher-forced
+        prefill, then one decode step at the profile's largest batch), so the decode path,
+        the prefill path and the largest decode batch are all exercised once. On a CPU
+        that is the whole warmup: a compiled step has no per-shape state to build (no JIT,
+        no graph capture; measured, the first run of a shape takes as long as the next).
+        On a GPU (or with --warmup full) the profile's shapes run first, largest first."""
         m, runner = self.manifest, self.runner
         assert runner is not None
         if self.rank != 0:
             follow(runner, self.comm)
             ev["driven_by"] = "rank 0"
             return
-        send = self.comm.send_plan
+        send, p = self.comm.send_plan, m.profile
+        sweep = self.cfg.warmup == "full" or (self.cfg.warmup == "auto" and
+                                               self.device.startswith("cuda"))
         try:
-            if self.cfg.warmup == "auto":
+            if sweep:
                 t0 = time.perf_counter()
-                ev["shapes"] = warmup_shapes(runner, m.profile, self.num_blocks, send,
+                ev["shapes"] = warmup_shapes(runner, p, self.num_blocks, send,
                                              self.st.interrupted)
                 ev["shapes_s"] = round(time.perf_counter() - t0, 3)
-            else:
-                ev["shapes"] = "skipped (--warmup none)"
             if self.st.interrupted():
                 raise Interrupted
         except Interrupted:
             send(StepPlan(PHASE_DONE))  # the other ranks stop following, then hear why
             raise shutdown_requested("warmup") from None
         record = m.golden
-        _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
-                             forced=record["tokens"], send=send)
+        t0 = time.perf_counter()
+        batch = p.max_batch_size if self.cfg.warmup != "none" else 1
+        fast = run_golden_forced(runner, record["prompt_token_ids"], record["tokens"],
+                                 p.max_num_tokens, send, decode_batch=batch,
+                                 watch=[[t for t, _ in step] for step in record["top_logits"]])
+        if fast is None:
+            _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
+                                 forced=record["tokens"], send=send)
+            ev["golden_steps"] = len(record["tokens"])
+        else:
+            tops, shapes = fast
+            ev["golden_steps"] = shapes
+        ev["golden_s"] = round(time.perf_counter() - t0, 3)
+        if not sweep:
+            ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
+                            "the golden steps: prefill, and decode at the largest batch")
         send(StepPlan(PHASE_DONE))
         ok, evidence = check_golden(record, tops, m.dtype, m.quant.scheme)
         ev["golden"] = evidence
         if not ok:
             raise GateFailure(
                 "warmup", f"the golden prompt no longer gives the built engine's logits ({evidence})",
-                f"run `pipeline verify {self.cfg.engine}` and rebuild the engine",
+                f"{self.source.verify_hint}, and rebuild the engine",
             )
 
     # ---- serving -----------------------------------------------------------------------

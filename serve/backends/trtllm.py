@@ -40,9 +40,9 @@ import torch
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.manifest import Manifest, hash_file
 from runtime.comm import Comm
-from runtime.executors.trtllm import (
+from runtime.executors.trtllm import TrtllmExecutor
+from runtime.executors.trtllm_setup import (
     INSTALL,
-    TrtllmExecutor,
     construct_executor,
     kv_cache_config,
     load_model_config,
@@ -90,6 +90,7 @@ class TrtllmBackend(Backend):
 
     def resolve(self, ev: Evidence) -> None:
         m = self.manifest
+        _ = self.engine_dir  # TensorRT-LLM reads a directory: not an engine still in a store
         try:
             self.engine_config = json.loads(self.files.get(TRTLLM_CONFIG).read_text())
             self.st.model = load_model_config(self.files.get(MODEL_CONFIG_TRTLLM).parent)
@@ -181,7 +182,7 @@ class TrtllmBackend(Backend):
     # ---- 3 reserve ---------------------------------------------------------------------
 
     def reserve(self, ev: Evidence) -> None:
-        plan = (self.cfg.engine / rank_trt_engine(self.rank)).stat().st_size
+        plan = (self.engine_dir / rank_trt_engine(self.rank)).stat().st_size
         ev.update(engine_bytes=plan)
         if not torch.cuda.is_available():
             ev["free_bytes"] = "not measurable here (torch sees no CUDA device)"
@@ -199,7 +200,7 @@ class TrtllmBackend(Backend):
         # TensorRT-LLM reads the engine directory itself (kernels gate): the plan it reads is
         # the one hashed here, unless the read-only engine file is replaced in between.
         self.files.require(rank_trt_engine(self.rank))
-        path = self.cfg.engine / rank_trt_engine(self.rank)
+        path = self.engine_dir / rank_trt_engine(self.rank)
         floor, mode = floors.storage_read_gbps(path)
         t0 = time.perf_counter()
         # The one read: into the page cache, hashed on the way.
@@ -238,7 +239,7 @@ class TrtllmBackend(Backend):
         m = self.manifest
         t0 = time.perf_counter()
         try:
-            self.executor = construct_executor(self.cfg.engine, self.kv)
+            self.executor = construct_executor(self.engine_dir, self.kv)
         except Exception as e:  # TensorRT(-LLM) says why on stderr; the exception is terse
             raise GateFailure(
                 "kernels", f"TensorRT-LLM could not construct the Executor for rank "

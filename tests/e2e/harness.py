@@ -227,7 +227,7 @@ class Server:
             time.sleep(0.05)
 
 
-def launch(engine: Path, workdir: Path, n: int = 2, args: tuple[str, ...] = (),
+def launch(engine: Path | str, workdir: Path, n: int = 2, args: tuple[str, ...] = (),
            prefix: tuple[str, ...] | None = None, env: dict[str, str] | None = None) -> Server:
     """Start `mpirun -n n python -m serve launch --engine engine ...`; returns at once.
 
@@ -247,10 +247,10 @@ def launch(engine: Path, workdir: Path, n: int = 2, args: tuple[str, ...] = (),
     return Server(proc, port, run_dir, out_path, err_path, time.monotonic())
 
 
-def run_to_exit(engine: Path, workdir: Path, n: int, timeout: float = 120.0
-                ) -> tuple[Server, int]:
+def run_to_exit(engine: Path | str, workdir: Path, n: int, timeout: float = 120.0,
+                env: dict[str, str] | None = None) -> tuple[Server, int]:
     """Launch a server that is expected to fail start-up; returns mpirun's exit status."""
-    server = launch(engine, workdir, n)
+    server = launch(engine, workdir, n, env=env)
     try:
         rc = server.proc.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from serve.backends.torch import FAULT_ENV
+from serve.startup import GATE_DELAY_ENV
 from tests.e2e.conftest import MODEL, Reference
 from tests.e2e.harness import Server, alive, launch, run_to_exit
 
@@ -156,9 +157,12 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
 
 def test_sigterm_during_start_up_ends_the_job_at_once_and_never_opens_admission(
         engine_dir: Path, tmp_path: Path) -> None:
-    srv = launch(engine_dir, tmp_path, prefix=())  # our launcher owns mpirun (a container)
+    # Our launcher owns mpirun (a container). Liveness comes up before the warmup gate
+    # (serve/rank0.py), where every rank is held (a start-up faster than the signal's way
+    # to the ranks would otherwise finish first): the signal lands in start-up.
+    srv = launch(engine_dir, tmp_path, prefix=(), env={GATE_DELAY_ENV: "warmup:60"})
     try:
-        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")  # the gates start now
+        _wait_until(lambda: srv.probe().live == 200, 60, "liveness")
         srv.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         ready: list[int | None] = []

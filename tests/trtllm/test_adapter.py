@@ -19,7 +19,8 @@ EOS = 0
 
 @pytest.fixture
 def adapter(trtllm_fake: ModuleType, engine_tp1: Path) -> Iterator[Any]:
-    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
 
     ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))
     a = TrtllmExecutor(ex, eos_token_ids=(EOS,), pad_id=EOS)
@@ -166,7 +167,8 @@ def test_statistics_come_from_iteration_stats(adapter: Any,
 
 
 def test_refused_enqueue_is_a_value_error(trtllm_fake: ModuleType, engine_tp1: Path) -> None:
-    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
 
     a = TrtllmExecutor(construct_executor(engine_tp1, kv_cache_config(None, None)))
     a.shutdown()
@@ -179,7 +181,8 @@ def test_shutdown_ends_running_requests_promptly(trtllm_fake: ModuleType, engine
     """The leader's Executor.shutdown() blocks until every queued and active request has
     finished: shutdown() must cancel them first (and a queued one ends only once admitted),
     deliver their final events, then drop the Executor."""
-    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
 
     monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "20")
     ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))

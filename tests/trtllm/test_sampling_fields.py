@@ -18,7 +18,8 @@ from tests.trtllm.test_adapter import EOS, _Sink
 
 @pytest.fixture
 def adapter(trtllm_fake: ModuleType, engine_tp1: Path) -> Iterator[Any]:
-    from runtime.executors.trtllm import TrtllmExecutor, construct_executor, kv_cache_config
+    from runtime.executors.trtllm import TrtllmExecutor
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
 
     a = TrtllmExecutor(construct_executor(engine_tp1, kv_cache_config(None, 1024)),
                        eos_token_ids=(EOS,), pad_id=EOS)

@@ -1,0 +1,92 @@
+"""Our SamplingParams -> a TensorRT-LLM Request, and what comes back -> our log-probabilities.
+
+Written against shared/reference/tensorrt-llm-1.2-api.md §2.1 (Request, SamplingConfig,
+OutputConfig). `tx` is `tensorrt_llm.bindings.executor` (trtllm_setup.bindings()).
+"""
+
+from __future__ import annotations
+
+import secrets
+from types import ModuleType
+from typing import Any
+
+from runtime.types import SamplingParams, TokenLogprob, UnsupportedParameter
+
+SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
+
+
+def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], pad_id: int) -> Any:
+    """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
+
+    Mapped: penalties, min_tokens and seed (SamplingConfig), the chosen token's
+    log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
+    (a 400 naming the field): what the Executor cannot do as this adapter drives it
+    (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
+    Request (guided decoding needs a GuidedDecodingConfig in the ExecutorConfig; n > 1
+    needs responses dispatched by sequence_index)."""
+    refuse_unmapped(params)
+    eos = () if params.ignore_eos else eos_token_ids
+    stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+    # end_id ends generation and is not output; other stop ids become one-token stop
+    # words (output, as our torch executor outputs its stop token; the HTTP layer hides
+    # eos ids from the text either way).
+    end_id = eos[0] if eos else None
+    stop_words = [[t] for t in stops if t != end_id]
+    # None leaves TensorRT-LLM's default (no penalty), as the neutral values mean.
+    # TensorRT-LLM's greedy decoding is top_k=1 (temperature 0 is our spelling).
+    greedy = params.greedy
+    # Without a seed TensorRT-LLM seeds every request with 0, so identical prompts would
+    # get identical "random" samples (NVIDIA/TensorRT-LLM #1000, #2411).
+    seed = params.seed
+    if seed is None and not greedy:
+        seed = secrets.randbits(SEED_BITS)
+    sampling = tx.SamplingConfig(
+        beam_width=1, top_k=1 if greedy else params.top_k or None,
+        top_p=None if greedy else float(params.top_p),
+        temperature=None if greedy else float(params.temperature), seed=seed,
+        min_tokens=params.min_tokens or None,
+        repetition_penalty=_unless(params.repetition_penalty, 1.0),
+        presence_penalty=_unless(params.presence_penalty, 0.0),
+        frequency_penalty=_unless(params.frequency_penalty, 0.0),
+    )
+    return tx.Request(
+        [int(t) for t in prompt], int(params.max_tokens),
+        streaming=True,
+        sampling_config=sampling,
+        output_config=tx.OutputConfig(exclude_input_from_output=True,
+                                      return_log_probs=params.logprobs is not None),
+        end_id=end_id,
+        pad_id=pad_id,
+        stop_words=stop_words or None,
+    )
+
+
+def _unless(value: float, neutral: float) -> float | None:
+    return None if value == neutral else float(value)
+
+
+def refuse_unmapped(params: SamplingParams) -> None:
+    refuse = [
+        ("logprobs", bool(params.logprobs), "top alternatives per token (only the chosen "
+         "token's log-probability) are"),
+        ("prompt_logprobs", params.prompt_logprobs is not None,
+         "prompt log-probabilities (echo with logprobs) are"),
+        ("logit_bias", bool(params.logit_bias), "logit_bias is"),
+        ("guided", params.guided is not None, "structured output (response_format) is"),
+        ("num_sequences", params.num_sequences > 1, "more than one sequence per request "
+         "(n, best_of) is"),
+    ]
+    for name, asked, what in refuse:
+        if asked:
+            raise UnsupportedParameter(name, f"{what} not supported by the trtllm backend")
+
+
+def chosen_logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
+    """The chosen tokens' log-probabilities (return_log_probs): the last len(tokens)
+    entries of the first sequence's list."""
+    lps = result.log_probs
+    if not lps or not tokens:
+        return None
+    values = [float(v) for v in lps[0]][-len(tokens):]
+    return [TokenLogprob(t, v) for t, v in zip(tokens, values)]

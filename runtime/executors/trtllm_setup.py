@@ -1,0 +1,101 @@
+"""TensorRT-LLM's presence, versions and the Executor's construction (every rank).
+
+Written against shared/reference/tensorrt-llm-1.2-api.md §1.4 and §2.1. Nothing here imports
+`tensorrt_llm` at module import: under MPI that import is a collective (see import_trtllm).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from contract.errors import BuildError
+from contract.layout import MODEL_CONFIG_TRTLLM
+from runtime.checkpoint import load_engine_model_config
+from runtime.models.config import ModelConfig
+
+INSTALL = (
+    "pip install '.[trtllm]' --extra-index-url https://pypi.nvidia.com "
+    "(TensorRT-LLM 1.2.x and its TensorRT) on a host with an NVIDIA GPU"
+)
+
+
+def import_trtllm() -> ModuleType:
+    """`tensorrt_llm`, or ImportError (callers phrase the one-line error for their stage).
+
+    Under MPI the import is a collective (`tensorrt_llm/_utils.py` splits COMM_WORLD at import
+    time): every rank must import it, or the others block in their import. A job checks
+    `trtllm_missing()` on every rank and agrees before any rank imports it."""
+    return importlib.import_module("tensorrt_llm")
+
+
+def trtllm_missing() -> str | None:
+    """Why `tensorrt_llm` (or `tensorrt`) cannot be imported here, without importing it (no
+    MPI collective); None when both are installed."""
+    absent = [m for m in ("tensorrt_llm", "tensorrt") if importlib.util.find_spec(m) is None]
+    return f"No module named {absent[0]!r}" if absent else None
+
+
+def trtllm_mpi_world() -> tuple[int, int]:
+    """(rank, world size) as TensorRT-LLM's MPI library sees this process."""
+    from tensorrt_llm._utils import mpi_rank, mpi_world_size
+
+    return int(mpi_rank()), int(mpi_world_size())
+
+
+def trtllm_versions() -> dict[str, str]:
+    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT."""
+    try:
+        tllm = import_trtllm()
+        trt = importlib.import_module("tensorrt")
+    except ImportError as e:
+        raise BuildError(f"TensorRT-LLM or TensorRT is not installed ({e})", INSTALL) from e
+    return {"tensorrt_llm": str(tllm.__version__), "tensorrt": str(trt.__version__)}
+
+
+def load_model_config(engine_dir: Path) -> ModelConfig:
+    """Our model config of a TensorRT-LLM engine (its config.json is TensorRT-LLM's)."""
+    return load_engine_model_config(engine_dir, MODEL_CONFIG_TRTLLM)
+
+
+def bindings() -> ModuleType:
+    """`tensorrt_llm.bindings.executor` (imported on first use: see import_trtllm)."""
+    return importlib.import_module("tensorrt_llm.bindings.executor")
+
+
+def kv_cache_config(fraction: float | None, tokens: int | None) -> Any:
+    """--kv-cache-fraction -> free_gpu_memory_fraction, --kv-cache-tokens -> max_tokens;
+    neither: TensorRT-LLM's default (90% of the memory free after the engine)."""
+    tx = bindings()
+    return tx.KvCacheConfig(
+        free_gpu_memory_fraction=None if fraction is None else float(fraction),
+        max_tokens=None if tokens is None else int(tokens),
+    )
+
+
+def executor_config(kv: Any) -> Any:
+    tx = bindings()
+    return tx.ExecutorConfig(
+        max_beam_width=1,
+        scheduler_config=tx.SchedulerConfig(
+            capacity_scheduler_policy=tx.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        ),
+        kv_cache_config=kv,
+        # The engine is built with paged context FMHA, so long prompts are chunked.
+        enable_chunked_context=True,
+        batching_type=tx.BatchingType.INFLIGHT,
+        parallel_config=tx.ParallelConfig(
+            communication_type=tx.CommunicationType.MPI,
+            communication_mode=tx.CommunicationMode.LEADER,
+        ),
+    )
+
+
+def construct_executor(engine_dir: Path, kv: Any) -> Any:
+    """Every rank: deserialize rank{N}.engine, allocate the KV cache, start the executor
+    thread (blocks until done). Raises whatever TensorRT-LLM raises."""
+    tx = bindings()
+    return tx.Executor(str(engine_dir), tx.ModelType.DECODER_ONLY, executor_config(kv))
