@@ -18,6 +18,7 @@ from typing import Any
 from contract.errors import BuildError
 from contract.layout import MANIFEST_NAME
 from contract.profile import BuildProfile
+from contract.quant import NONE, Quantization
 from contract.target import Target
 
 SCHEMA_VERSION = 1
@@ -77,6 +78,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
     golden: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    quant: Quantization = NONE  # recorded only when the engine is quantized
 
     @property
     def total_size(self) -> int:
@@ -100,6 +102,7 @@ class Manifest:
             "target": self.target.to_dict(),
             "tp": self.tp,
             "dtype": self.dtype,
+            **({"quant": self.quant.to_dict()} if self.quant.enabled else {}),
             "profile": self.profile.to_dict(),
             "toolchain": dict(self.toolchain),
             "files": [
@@ -141,6 +144,7 @@ class Manifest:
             target=Target.from_dict(d["target"]),
             tp=tp,
             dtype=d["dtype"],
+            quant=Quantization.from_dict(d.get("quant")),
             profile=BuildProfile(**d["profile"]),
             toolchain={str(k): str(v) for k, v in d["toolchain"].items()},
             files=files,
@@ -163,9 +167,12 @@ def engine_inputs(
     dtype: str,
     profile: BuildProfile,
     toolchain: dict[str, str],
+    quant: Quantization = NONE,
 ) -> dict[str, Any]:
-    """Everything that determines an engine's bytes, as plain JSON data."""
+    """Everything that determines an engine's bytes, as plain JSON data. The quantization
+    enters only when there is one, so unquantized engines keep the ids they always had."""
     return {
+        **({"quant": quant.to_dict()} if quant.enabled else {}),
         "schema_version": SCHEMA_VERSION,
         "source_digest": source_digest,
         "backend": backend,

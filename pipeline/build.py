@@ -31,6 +31,7 @@ from contract.manifest import (
     read_manifest,
     write_manifest,
 )
+from contract.quant import Quantization
 from contract.target import Target
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
@@ -140,6 +141,7 @@ class BuildPlan:
     digest: str
     toolchain: dict[str, str]
     engine_id: str
+    quant: Quantization
 
 
 def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
@@ -165,6 +167,9 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
             from pipeline.compile.trtllm import check_source
 
             check_source(hf_cfg)
+        from pipeline.quant import plan_quant
+
+        quant = plan_quant(cfg, src, model_cfg, target)
     with clock("digest"):
         digest = checkpoint_digest(src.local_dir, progress)
     toolchain = toolchain_versions(cfg.backend)
@@ -176,8 +181,9 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
         dtype=cfg.dtype,
         profile=cfg.profile,
         toolchain=toolchain,
+        quant=quant,
     )
-    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs))
+    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant)
 
 
 def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildResult:
@@ -201,14 +207,20 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             from pipeline.compile import trtllm
 
             for name, secs in trtllm.convert_and_build(
-                src.local_dir, tmp, cfg.tp, cfg.dtype, cfg.profile, progress
+                src.local_dir, tmp, cfg.tp, cfg.dtype, cfg.profile, progress, plan.quant
             ).items():
                 clock.stages[name] = secs
         else:
             with clock("convert"):
                 from pipeline.convert import convert_checkpoint
 
-                convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress)
+                get_quantized = None
+                if plan.quant.source.startswith("GGUF") and src.gguf_file is not None:
+                    from pipeline.gguf import gguf_quant_getter
+
+                    get_quantized = gguf_quant_getter(src.gguf_file, plan.model_config)
+                convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress, plan.quant,
+                                   get_quantized)
         if cfg.backend == "aoti":
             with clock("compile"):
                 from pipeline.compile.aoti import compile_engine
@@ -221,6 +233,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
                     profile=cfg.profile,
                     target=target,
                     progress=progress,
+                    quant=plan.quant,
                 )
         with clock("copy"), progress.stage("copy tokenizer"):
             _copy_extras(src.local_dir, tmp)
@@ -247,6 +260,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             toolchain=plan.toolchain,
             files=files,
             golden=golden,
+            quant=plan.quant,
         )
         with clock("commit"):
             write_manifest(tmp, manifest)

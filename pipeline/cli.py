@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from contract.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
 from contract.profile import BACKENDS, DTYPES, BuildProfile
+from contract.quant import ALL_SCHEMES, INT4_GROUP_SIZES, SCHEMES
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress, format_bytes
 
@@ -75,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_DEFAULTS.tokens_per_block,
         help="KV cache block size (default: %(default)s)",
+    )
+    b.add_argument(
+        "--quant", choices=ALL_SCHEMES, default="none",
+        help="weight-only quantization of the linear layers (TensorRT-LLM's --qformat names; "
+        "fp8: --backend trtllm on sm_89+ only; default: %(default)s)",
+    )
+    b.add_argument(
+        "--quant-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
+        help="inputs sharing one scale (int4 default 128; int8 default: one per output channel)",
+    )
+    b.add_argument(
+        "--quant-lm-head", choices=SCHEMES, default="none",
+        help="quantize the LM head too (and the embedding when tied to it; default: %(default)s)",
     )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
     b.add_argument("--mpirun", default=None,
@@ -142,6 +156,9 @@ def cmd_build(args: argparse.Namespace) -> int:
             target=args.target,
             profile=profile,
             store=args.store,
+            quant=args.quant,
+            quant_group_size=args.quant_group_size,
+            quant_lm_head=args.quant_lm_head,
         )
     except ValueError as e:
         raise BuildError(str(e), "see `pipeline build --help`") from e
@@ -152,6 +169,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         f"model     {m.model_name}  from {m.source.uri}"
         + (f" @ {m.source.revision}" if m.source.revision else ""),
         f"backend   {m.backend}  target {m.target}  tp {m.tp}  dtype {m.dtype}",
+        f"quant     {m.quant.describe()}",
         "files",
         *_table(
             [[f.path, format_bytes(f.size)] for f in m.files]
@@ -202,6 +220,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ["target", str(m.target)],
         ["tp", str(m.tp)],
         ["dtype", m.dtype],
+        ["quant", m.quant.describe()],
         *[[k, str(v)] for k, v in m.profile.to_dict().items()],
         *[[k, v] for k, v in m.toolchain.items()],
         ["golden", ", ".join(f"{k}" for k in m.golden) or "-"],
@@ -301,7 +320,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                     m.backend,
                     str(m.target),
                     str(m.tp),
-                    m.dtype,
+                    m.dtype + (f"/{m.quant.scheme}" if m.quant.enabled else ""),
                     format_bytes(m.total_size),
                     str(r.path),
                 ]

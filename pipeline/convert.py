@@ -1,4 +1,6 @@
-"""Convert a Hugging Face checkpoint into per-rank shards following the sharding rule."""
+"""Convert a Hugging Face checkpoint into per-rank shards following the sharding rule,
+quantizing the weights the engine's quantization covers (or taking them already quantized
+from a GGUF's blocks, pipeline/gguf.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,18 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from contract.layout import rank_shard
+from contract.quant import NONE, Quantization, QuantSpec
 from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
-from runtime.models.sharding import rules_for, shard_state_dict
+from runtime.models.sharding import QuantGetter, rules_for, shard_state_dict
+from runtime.quant import QTensor, quantize
 
 
 def convert_checkpoint(
-    src: Path, out_dir: Path, tp: int, dtype: str, progress: Progress | None = None
+    src: Path, out_dir: Path, tp: int, dtype: str, progress: Progress | None = None,
+    quant: Quantization = NONE, get_quantized: QuantGetter | None = None,
 ) -> ModelConfig:
     """Write out_dir/rank{N}.safetensors for every rank and out_dir/config.json."""
     progress = progress or Progress.silent()
@@ -23,11 +28,19 @@ def convert_checkpoint(
     cfg.check_tp(tp)
     get = open_weights(src)
     td = torch_dtype(dtype)
+    # Each weight is quantized once (whole), whatever the number of ranks cutting it.
+    done: dict[tuple[str, QuantSpec], QTensor] = {}
+
+    def get_q(name: str, spec: QuantSpec) -> QTensor:
+        if (name, spec) not in done:
+            done[(name, spec)] = get_quantized(name, spec) if get_quantized else quantize(get(name), spec)
+        return done[(name, spec)]
+
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
-            shard = shard_state_dict(get, cfg, tp, rank, td)
-            st.advance(len(shard) - 2)
+            shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)
+            st.advance(len(rules_for(cfg)))
             save_file(shard, str(out_dir / rank_shard(rank)), metadata={"rank": str(rank), "tp": str(tp)})
             del shard
-    write_engine_model_config(out_dir, cfg, hf_cfg)
+    write_engine_model_config(out_dir, cfg, hf_cfg, quant=quant)
     return cfg

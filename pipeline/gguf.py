@@ -32,7 +32,8 @@ def resolve_gguf(
         dequantize_gguf(path, out, progress)
     check_checkpoint(out)
     return ResolvedSource(
-        uri=uri, local_dir=out, revision=f"sha256:{sha}", kind="gguf", name=safe_name(path.stem)
+        uri=uri, local_dir=out, revision=f"sha256:{sha}", kind="gguf", name=safe_name(path.stem),
+        gguf_file=path,
     )
 
 
@@ -126,3 +127,139 @@ def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None)
             if not (out_dir / COMPLETE_MARKER).is_file():  # not a concurrent twin that won
                 raise
     return out_dir
+
+
+# ---- quantized blocks taken over unchanged (--quant with a .gguf source) -------------------
+
+# llama.cpp tensor names -> Hugging Face names ({i}: the layer).
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# GGUF block type -> (our kind, zero point); all three use blocks of 32 along K.
+_BLOCK_TYPES = {"Q8_0": ("int8", False), "Q4_0": ("int4", False), "Q4_1": ("int4", True)}
+_SCHEME_OF_KIND = {"int8": "int8_wo", "int4": "int4_wo"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name.startswith("blk."):
+        _, i, rest = gguf_name.split(".", 2)
+        hf = _GGUF_NAMES.get(f"blk.{{i}}.{rest}")
+        return hf.format(i=i) if hf else None
+    return _GGUF_NAMES.get(gguf_name)
+
+
+def _types(path: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
+def gguf_quantization(path: Path, scheme: str, tied: bool):  # -> Quantization
+    """The engine quantization that holds this GGUF's blocks exactly, or a refusal.
+
+    Linears: all Q8_0 -> int8_wo (groups of 32); Q4_0 and/or Q4_1 -> int4_wo (groups of 32,
+    with a zero point when any is Q4_1: Q4_0's min is -8 * scale, exact in float16). The LM
+    head (token_embd when tied) is kept quantized when it is Q8_0, Q4_0 or Q4_1; any other
+    type is dequantized to the engine dtype.
+    """
+    from contract.quant import Quantization, QuantSpec
+
+    types = _types(path)
+    linear = {n: t for n, t in types.items() if n.endswith(_LINEAR_SUFFIXES)}
+    other = sorted({t for t in linear.values() if t not in _BLOCK_TYPES})
+    if other:
+        name = next(n for n, t in linear.items() if t in other)
+        raise BuildError(
+            f"{path.name} holds linear weights as {', '.join(other)} (e.g. {name}); only Q8_0, "
+            "Q4_0 and Q4_1 blocks become an engine directly",
+            "requantize it with llama-quantize --pure to Q8_0 or Q4_0, or build from the "
+            "floating-point checkpoint with --quant")
+    kinds = {_BLOCK_TYPES[t][0] for t in linear.values()}
+    if len(kinds) != 1:
+        raise BuildError(f"{path.name} mixes int8 (Q8_0) and int4 (Q4_0/Q4_1) linear weights",
+                         "requantize it with llama-quantize --pure")
+    kind = kinds.pop()
+    if _SCHEME_OF_KIND[kind] != scheme:
+        raise BuildError(
+            f"{path.name} holds {kind} blocks ({', '.join(sorted(set(linear.values())))}); "
+            f"--quant {scheme} would quantize them again",
+            f"use --quant {_SCHEME_OF_KIND[kind]} to keep llama.cpp's weights exactly, or "
+            "--quant none for a floating-point engine")
+    zero_point = any(_BLOCK_TYPES[t][1] for t in linear.values())
+    head_name = "token_embd.weight" if tied else "output.weight"
+    head_type = types.get(head_name, "")
+    head = None
+    if head_type in _BLOCK_TYPES:
+        hk, hz = _BLOCK_TYPES[head_type]
+        head = QuantSpec(hk, 32, hz)
+    source = f"GGUF {'/'.join(sorted(set(linear.values())))}"
+    if head is not None:
+        source += f", {head_name} {head_type}"
+    return Quantization(scheme, QuantSpec(kind, 32, zero_point), head, source)
+
+
+def gguf_quant_getter(path: Path, cfg):  # -> Callable[[str, QuantSpec], QTensor]
+    """HF tensor name -> that tensor's GGUF blocks as a QTensor, values unchanged.
+
+    llama.cpp stores Llama q/k projections with their rows permuted for its RoPE; the
+    rows are put back (whole rows of blocks move, so nothing is recomputed).
+    """
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from runtime.quant import QTensor
+
+    reader = GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    by_hf = {h: t for t in reader.tensors if (h := hf_name(t.name)) is not None}
+
+    def get(name: str, spec):
+        t = by_hf.get(name)
+        if t is None and name == "lm_head.weight":
+            t = by_hf.get("model.embed_tokens.weight")
+        if t is None:
+            raise BuildError(f"{path.name} has no tensor for {name}", "give a complete GGUF file")
+        blocks = np.asarray(t.data).reshape(-1)
+        n, k = int(t.shape[1]), int(t.shape[0])
+        ttype = t.tensor_type.name
+        kind, zp = _BLOCK_TYPES.get(ttype, (None, None))
+        if kind != spec.kind or spec.group_size != 32 or (kind == "int4" and zp and not spec.zero_point):
+            raise BuildError(f"{path.name}: {t.name} is {ttype}, not {spec.describe()}",
+                             "requantize it with llama-quantize --pure")
+        nb = k // 32
+        size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[ttype]
+        b = blocks.reshape(n, nb, size)
+        scales = torch.from_numpy(b[:, :, 0:2].copy().view(np.float16).reshape(n, nb))
+        mins = None
+        if ttype == "Q8_0":
+            q = torch.from_numpy(b[:, :, 2:].copy().view(np.int8).reshape(n, k))
+        else:
+            qs = b[:, :, 4:] if ttype == "Q4_1" else b[:, :, 2:]
+            qs = torch.from_numpy(qs.copy()).reshape(n, nb, 1, 16)
+            q = torch.cat((qs & 15, qs >> 4), dim=2).reshape(n, k)
+            if ttype == "Q4_1":
+                mins = torch.from_numpy(b[:, :, 2:4].copy().view(np.float16).reshape(n, nb))
+            elif spec.zero_point:  # Q4_0 in a zero-point engine: min = -8 * scale, exact
+                mins = scales * -8
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            perm = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+            q, scales = q[perm], scales[perm]
+            mins = None if mins is None else mins[perm]
+        return QTensor(spec, q, scales, mins, 32)
+
+    return get

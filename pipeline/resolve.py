@@ -44,6 +44,7 @@ class ResolvedSource:
     revision: str | None  # hf: the commit sha; gguf: "sha256:<file digest>"; local: None
     kind: str  # "local" | "hf" | "gguf"
     name: str  # the model name engines are stored under
+    gguf_file: Path | None = None  # the .gguf itself (kind "gguf"): quantized blocks come from it
 
 
 def cache_root() -> Path:

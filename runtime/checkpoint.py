@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from contract.errors import BuildError
 from contract.layout import ENGINE_CONFIG
+from contract.quant import NONE, Quantization
 from runtime.models.config import ModelConfig
 
 TensorGetter = Callable[[str], torch.Tensor]
@@ -62,10 +63,17 @@ def open_weights(src: Path) -> TensorGetter:
     return get
 
 
-def write_engine_model_config(engine_dir: Path, cfg: ModelConfig, hf_cfg: dict, name: str = ENGINE_CONFIG) -> None:
-    text = json.dumps({"model": cfg.to_dict(), "hf_config": hf_cfg}, indent=2, sort_keys=True)
-    (engine_dir / name).write_text(text)
+def write_engine_model_config(engine_dir: Path, cfg: ModelConfig, hf_cfg: dict, name: str = ENGINE_CONFIG,
+                              quant: Quantization = NONE) -> None:
+    data = {"model": cfg.to_dict(), "hf_config": hf_cfg}
+    if quant.enabled:  # what the weights in the shards are (the manifest records it too)
+        data["quant"] = quant.to_dict()
+    (engine_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 def load_engine_model_config(engine_dir: Path, name: str = ENGINE_CONFIG) -> ModelConfig:
     return ModelConfig.from_dict(json.loads((engine_dir / name).read_text())["model"])
+
+
+def load_engine_quant(engine_dir: Path, name: str = ENGINE_CONFIG) -> Quantization:
+    return Quantization.from_dict(json.loads((engine_dir / name).read_text()).get("quant"))

@@ -26,6 +26,7 @@ from typing import Any
 from contract.errors import EXIT_FAILURE, BuildError
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.profile import BuildProfile
+from contract.quant import NONE, Quantization
 from pipeline.progress import Progress
 from runtime.checkpoint import read_model_config, write_engine_model_config
 from runtime.executors.trtllm_setup import import_trtllm, load_model_config
@@ -44,7 +45,24 @@ def check_source(hf_config: dict[str, Any]) -> None:
         )
 
 
-def make_build_config(profile: BuildProfile, timing_cache: Path | None = None) -> Any:
+def quant_config(quant: Quantization) -> Any:
+    """The QuantConfig from_hugging_face takes for our scheme (None when unquantized).
+
+    `--quant` -> the checkpoint's quantization.quant_algo, as convert_checkpoint.py's
+    `--use_weight_only --weight_only_precision int8|int4` and `--use_fp8` set it (§1.1);
+    from_hugging_face quantizes these while it loads (no calibration data)."""
+    if not quant.enabled:
+        return None
+    import_trtllm()
+    from tensorrt_llm.models.modeling_utils import QuantConfig
+    from tensorrt_llm.quantization import QuantAlgo
+
+    algo = {"int8_wo": QuantAlgo.W8A16, "int4_wo": QuantAlgo.W4A16, "fp8": QuantAlgo.FP8}
+    return QuantConfig(quant_algo=algo[quant.scheme])
+
+
+def make_build_config(profile: BuildProfile, timing_cache: Path | None = None,
+                      quant: Quantization = NONE) -> Any:
     """tensorrt_llm.BuildConfig from our profile, spelled as reference §1.2 / §6 spells it.
 
     `kv_cache_type` is left at its default (PAGED): the string "paged" is converted only by
@@ -54,7 +72,8 @@ def make_build_config(profile: BuildProfile, timing_cache: Path | None = None) -
     from tensorrt_llm.plugin.plugin import PluginConfig
 
     wanted: dict[str, Any] = {
-        "gemm_plugin": "auto",  # the docs' advice for FP16/BF16; default is off
+        # the docs' advice: auto for FP16/BF16 (default is off), off for FP8 (§1.2)
+        "gemm_plugin": None if quant.scheme == "fp8" else "auto",
         "use_paged_context_fmha": True,  # chunked context and KV reuse need it
         "multiple_profiles": True,  # costs build time only
         "tokens_per_block": profile.tokens_per_block,
@@ -91,9 +110,10 @@ def write_model_config(hf_dir: Path, engine_dir: Path) -> ModelConfig:
 
 def convert_and_build(
     hf_dir: Path, engine_dir: Path, tp: int, dtype: str, profile: BuildProfile,
-    progress: Progress | None = None,
+    progress: Progress | None = None, quant: Quantization = NONE,
 ) -> dict[str, float]:
-    """Every rank, one at a time: convert in memory, build, save its engine.
+    """Every rank, one at a time: convert in memory (quantized per `quant`), build, save its
+    engine.
 
     Returns seconds per stage ("convert", "compile"). Peak extra memory is one rank's model.
     """
@@ -106,12 +126,14 @@ def convert_and_build(
     timing_cache = engine_dir / TIMING_CACHE
     secs = {"convert": 0.0, "compile": 0.0}
     try:
-        build_config = make_build_config(profile, timing_cache)
+        build_config = make_build_config(profile, timing_cache, quant)
+        qc = quant_config(quant)
         with progress.stage("trtllm convert + build", total=tp, unit="ranks") as st:
             for rank in range(tp):
                 t0 = time.perf_counter()
                 mapping = tllm.Mapping(world_size=tp, rank=rank, tp_size=tp, pp_size=1)
-                model = LLaMAForCausalLM.from_hugging_face(str(hf_dir), dtype, mapping=mapping)
+                model = LLaMAForCausalLM.from_hugging_face(str(hf_dir), dtype, mapping=mapping,
+                                                           quant_config=qc)
                 t1 = time.perf_counter()
                 engine = build(model, build_config)
                 engine.save(str(engine_dir))

@@ -11,8 +11,14 @@ from pathlib import Path
 import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from contract.quant import NONE, Quantization
 from runtime import kernels
-from runtime.checkpoint import load_engine_model_config, open_weights, read_model_config
+from runtime.checkpoint import (
+    load_engine_model_config,
+    load_engine_quant,
+    open_weights,
+    read_model_config,
+)
 from runtime.engine_files import EngineFiles
 from runtime.loader import load_shard
 from runtime.models.config import ModelConfig
@@ -24,12 +30,12 @@ from runtime.runner import ModelRunner, StepFn
 
 def make_step_fn(
     backend: str, cfg: ModelConfig, tp: TPContext, dtype: str, weights: dict[str, torch.Tensor],
-    engine_dir: Path | None = None, device: str = "cpu",
+    engine_dir: Path | None = None, device: str = "cpu", quant: Quantization = NONE,
 ) -> StepFn:
     """The rank's step function with its weights bound (no copy of the weights)."""
     weights = bind_tied(cfg, weights)
     if backend == "eager":
-        model = build_model(cfg, tp, torch_dtype(dtype), "meta")
+        model = build_model(cfg, tp, torch_dtype(dtype), "meta", quant=quant)
         bind_weights(model, weights)
         return model
     if backend == "aoti":
@@ -73,12 +79,14 @@ def allocate_kv_cache(
 
 def runner_from_checkpoint(
     hf_dir: Path, tp: TPContext, dtype: str, num_blocks: int, block_size: int,
+    quant: Quantization = NONE,
 ) -> tuple[ModelRunner, ModelConfig]:
-    """An eager runner straight from a Hugging Face checkpoint (sharded in memory)."""
+    """An eager runner straight from a Hugging Face checkpoint (sharded, and quantized with
+    `quant`, in memory)."""
     cfg, _ = read_model_config(hf_dir)
     cfg.check_tp(tp.size)
-    weights = shard_state_dict(open_weights(hf_dir), cfg, tp.size, tp.rank, torch_dtype(dtype))
-    step_fn = make_step_fn("eager", cfg, tp, dtype, weights)
+    weights = shard_state_dict(open_weights(hf_dir), cfg, tp.size, tp.rank, torch_dtype(dtype), quant)
+    step_fn = make_step_fn("eager", cfg, tp, dtype, weights, quant=quant)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype)
     return ModelRunner(step_fn, kv, block_size), cfg
 
@@ -95,6 +103,7 @@ def runner_from_engine(
     """
     src = engine_dir if files is None else files.get(ENGINE_CONFIG).parent
     cfg = load_engine_model_config(src)
+    quant = load_engine_quant(src)
     if files is not None:
         files.require(rank_shard(tp.rank))
     shard = load_shard(engine_dir / rank_shard(tp.rank), device)
@@ -105,7 +114,7 @@ def runner_from_engine(
                 files.get(name)
             src = files.dir
             files.get_listed((KERNELS_LIB,))
-    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device)
+    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device, quant)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
     runner = ModelRunner(step_fn, kv, block_size)
     runner.keepalive = shard

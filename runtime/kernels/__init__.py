@@ -48,6 +48,22 @@ def _register_fakes() -> None:
     def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
+    @torch.library.register_fake("aotllm::linear_int8")
+    def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     b: torch.Tensor | None, group_size: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("aotllm::linear_int4")
+    def _linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, b: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("aotllm::dequantize")
+    def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    k: int, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        return qweight.new_empty((qweight.shape[0], k), dtype=dtype)
+
     @torch.library.register_fake("aotllm::all_reduce")
     def _all_reduce(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
         return torch.empty_like(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from contract.quant import NONE, Quantization
 from runtime.models.config import ModelConfig
 from runtime.models.llama import LlamaForCausalLM, local_heads
 from runtime.models.parallel import TPContext
@@ -23,10 +24,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str = "cpu",
-                use_kernels: bool = False) -> LlamaForCausalLM:
+                use_kernels: bool = False, quant: Quantization = NONE) -> LlamaForCausalLM:
     """A model whose parameters are uninitialised (bind weights with `bind_weights`)."""
     with torch.device(device):
-        return LlamaForCausalLM(cfg, tp, dtype, use_kernels).eval()
+        return LlamaForCausalLM(cfg, tp, dtype, use_kernels, quant).eval()
 
 
 def bind_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:

@@ -10,11 +10,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contract.quant import QuantSpec
 from runtime.models.parallel import TPContext
+from runtime.quant import dequantize_packed
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class _Weight(nn.Module):
+    """A linear layer's [out, in] weight: a plain `weight`, or quantized (`qweight`,
+    `scales` and, with a zero point, `mins`; contract/quant.py) when `quant` is given."""
+
+    def _init_weight(self, out: int, inp: int, dtype: torch.dtype, quant: QuantSpec | None) -> None:
+        self.quant = quant
+        if quant is None:
+            self.weight = _empty(out, inp, dtype=dtype)
+            return
+        int4 = quant.kind == "int4"
+        self.qweight = _empty(out, inp // 2 if int4 else inp, dtype=torch.uint8 if int4 else torch.int8)
+        self.scales = _empty(out, quant.groups(inp), dtype=torch.float16)
+        self.mins = _empty(out, quant.groups(inp), dtype=torch.float16) if quant.zero_point else None
+        self.group = quant.group_of(inp)
+
+    def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
+        if self.quant is None:
+            return linear(x, self.weight, b, tp)
+        return qlinear(x, self.qweight, self.scales, self.mins, b, self.group, tp)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext
@@ -26,18 +49,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPConte
     return F.linear(x, w, b)
 
 
-class ColumnParallelLinear(nn.Module):
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+            b: torch.Tensor | None, group: int, tp: TPContext) -> torch.Tensor:
+    """x W^T + b with W quantized: our kernels (runtime/kernels/quant_linear.cpp), or the
+    reference the eager engines run: W dequantized in float32, cast to x's dtype, F.linear."""
+    if tp.use_kernels:
+        if qweight.dtype == torch.int8:
+            return torch.ops.aotllm.linear_int8(x, qweight, scales, b, group)
+        return torch.ops.aotllm.linear_int4(x, qweight, scales, mins, b, group)
+    return F.linear(x, dequantize_packed(qweight, scales, mins, group, x.dtype), b)
+
+
+class ColumnParallelLinear(_Weight):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant: QuantSpec | None = None) -> None:
         super().__init__()
-        self.weight = _empty(out_local, in_features, dtype=dtype)
+        self._init_weight(out_local, in_features, dtype, quant)
         self.bias = _empty(out_local, dtype=dtype) if bias else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.tp)
+        return self._linear(x, self.bias, self.tp)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -45,9 +79,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, hidden: int, head_dim: int, q_heads_local: int, kv_heads_local: int, bias: bool,
-        tp: TPContext, dtype: torch.dtype,
+        tp: TPContext, dtype: torch.dtype, quant: QuantSpec | None = None,
     ) -> None:
-        super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, tp, dtype)
+        super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, tp, dtype,
+                         quant)
         self.q_size = q_heads_local * head_dim
         self.kv_size = kv_heads_local * head_dim
 
@@ -59,24 +94,28 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate and up projections fused: each rank holds [gate_shard | up_shard]."""
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Weight):
     """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks."""
 
-    def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype,
+                 quant: QuantSpec | None = None) -> None:
         super().__init__()
-        self.weight = _empty(out_features, in_local, dtype=dtype)
+        self._init_weight(out_features, in_local, dtype, quant)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, None, self.tp))
+        return self.tp.all_reduce(self._linear(x, None, self.tp))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous vocabulary slice; out-of-slice ids contribute zeros."""
+class VocabParallelEmbedding(_Weight):
+    """Each rank holds a contiguous vocabulary slice; out-of-slice ids contribute zeros.
+    Quantized only when it is tied to a quantized LM head (one tensor bound to both)."""
 
-    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
+                 quant: QuantSpec | None = None) -> None:
         super().__init__()
-        self.weight = _empty(vocab_local, hidden, dtype=dtype)
+        self._init_weight(vocab_local, hidden, dtype, quant)
+        self.dtype = dtype
         self.tp = tp
         self.vocab_local = vocab_local
         # A parameter, not a Python int or a buffer (AOTInductor folds those into the
@@ -84,25 +123,33 @@ class VocabParallelEmbedding(nn.Module):
         # offset arrives with the rank's weights.
         self.vocab_start = nn.Parameter(torch.tensor(tp.rank * vocab_local), requires_grad=False)
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        # Only the looked-up rows are dequantized (the reference's arithmetic, row by row).
+        mins = None if self.mins is None else self.mins[ids]
+        return dequantize_packed(self.qweight[ids], self.scales[ids], mins, self.group, self.dtype)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, hidden]
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.vocab_local)
-        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight)
+        out = self._rows(local.clamp(0, self.vocab_local - 1))
         return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_Weight):
     """Logits for the rank's vocabulary slice, gathered so every rank holds all of them."""
 
-    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
+                 quant: QuantSpec | None = None) -> None:
         super().__init__()
-        self.weight = _empty(vocab_local, hidden, dtype=dtype)
+        self._init_weight(vocab_local, hidden, dtype, quant)
         self.tp = tp
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab]
-        return self.tp.all_gather_last_dim(linear(h, self.weight, None, self.tp))
+        return self.tp.all_gather_last_dim(self._linear(h, None, self.tp))
 
 
 class RMSNorm(nn.Module):

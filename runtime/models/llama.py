@@ -12,6 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from contract.quant import NONE, Quantization
 from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.models.config import ModelConfig
 from runtime.models.layers import (
@@ -34,16 +35,17 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 quant: Quantization = NONE) -> None:
         super().__init__()
         self.use_kernels = tp.use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
         self.d = cfg.head_dim
         self.scale = self.d**-0.5
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype
+            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype, quant.linear
         )
-        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype)
+        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype, quant.linear)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -59,43 +61,48 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 quant: Quantization = NONE) -> None:
         super().__init__()
         inter_local = cfg.intermediate_size // tp.size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, tp,
-                                                       dtype)
-        self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype)
+                                                       dtype, quant.linear)
+        self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype, quant.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                 quant: Quantization = NONE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype)
+        self.self_attn = Attention(cfg, tp, dtype, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype, quant)
 
 
 class LlamaForCausalLM(nn.Module):
     """`use_kernels`: attention calls our fused CPU kernels (aoti engines compiled for a
-    CPU; the library must be loaded, runtime/kernels); else tensor operations only."""
+    CPU; the library must be loaded, runtime/kernels); else tensor operations only.
+    `quant`: the linears (and the LM head, with a tied embedding) hold quantized weights."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 use_kernels: bool = False) -> None:
+                 use_kernels: bool = False, quant: Quantization = NONE) -> None:
         super().__init__()
         self.cfg = cfg
         tp = dataclasses.replace(tp, use_kernels=use_kernels)
         vocab_local = cfg.vocab_size // tp.size
-        self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype)
+        embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
+        self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
+                                                   embed_quant)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be
         # split differently); it keeps every parameter a plain, independently bound tensor.
-        self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype)
+        self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
 
     def forward(

@@ -21,8 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.quant import NONE, Quantization, QuantSpec
 from runtime.models.config import ModelConfig
 from runtime.models.rope import inv_frequencies
+from runtime.quant import (
+    QTensor,
+    check_packable,
+    q_cat_rows,
+    q_pad_cols,
+    q_pad_rows,
+    q_rows,
+    q_split_cols,
+    quantize,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +97,25 @@ def rules_for(cfg: ModelConfig) -> list[ShardRule]:
 
 
 def bind_tied(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The full parameter set of a rank: the tied head shares the embedding's tensor."""
-    if cfg.tie_word_embeddings and "lm_head.weight" not in weights:
-        weights = {**weights, "lm_head.weight": weights["embed_tokens.weight"]}
+    """The full parameter set of a rank: the tied head shares the embedding's tensor(s)."""
+    if cfg.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
+        weights = {**weights, **{"lm_head." + k.split(".", 1)[1]: v for k, v in weights.items()
+                                 if k.startswith("embed_tokens.") and k != "embed_tokens.vocab_start"}}
     return weights
+
+
+_LINEAR_KINDS = ("qkv", "o_proj", "merged", "row", "column")
+
+
+def quant_spec_for(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> QuantSpec | None:
+    """The format a parameter is stored in: None for the model dtype."""
+    if not quant.enabled or not rule.name.endswith(".weight"):
+        return None
+    if rule.name == "lm_head.weight" or (rule.name == "embed_tokens.weight" and cfg.tie_word_embeddings):
+        return quant.lm_head
+    if rule.name.startswith("layers.") and rule.kind in _LINEAR_KINDS:
+        return quant.linear
+    return None
 
 
 def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
@@ -104,6 +130,43 @@ def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
 
 def _split(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=dim)[rank]
+
+
+def _qrows(t: QTensor, tp: int, rank: int) -> QTensor:
+    n = t.shape[0] // tp
+    return q_rows(t, rank * n, (rank + 1) * n)
+
+
+def shard_qtensor(
+    rule: ShardRule, tensors: list[QTensor], cfg: ModelConfig, tp: int, rank: int
+) -> QTensor:
+    """shard_tensor for quantized weights: scales and mins follow their rows and groups."""
+    what = rule.name
+    if rule.kind == "replicate":
+        out = tensors[0]
+    elif rule.kind in ("column", "vocab"):
+        out = _qrows(tensors[0], tp, rank)
+    elif rule.kind == "row":
+        out = q_split_cols(tensors[0], tp, rank, what)
+    elif rule.kind == "merged":
+        out = q_cat_rows([_qrows(t, tp, rank) for t in tensors])
+    elif rule.kind == "o_proj":
+        q_heads, _ = cfg.tp_heads(tp)
+        out = q_split_cols(q_pad_cols(tensors[0], q_heads * cfg.head_dim, what), tp, rank, what)
+    elif rule.kind == "qkv":
+        d = cfg.head_dim
+        q_heads, kv_heads = cfg.tp_heads(tp)
+        q, k, v = tensors
+        if kv_heads != cfg.num_key_value_heads:
+            q, k, v = q_pad_rows(q, q_heads * d), q_pad_rows(k, kv_heads * d), q_pad_rows(v, kv_heads * d)
+        q_local = q_heads // tp
+        lo, hi = kv_head_range(cfg, tp, rank)
+        out = q_cat_rows([q_rows(q, rank * q_local * d, (rank + 1) * q_local * d),
+                          q_rows(k, lo * d, hi * d), q_rows(v, lo * d, hi * d)])
+    else:
+        raise ValueError(f"unknown shard kind {rule.kind!r}")
+    check_packable(out, what)
+    return out
 
 
 def _pad_rows(t: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
@@ -146,12 +209,28 @@ def shard_tensor(
     raise ValueError(f"unknown shard kind {rule.kind!r}")
 
 
+QuantGetter = Callable[[str, QuantSpec], QTensor]
+
+
 def shard_state_dict(
-    get: Callable[[str], torch.Tensor], cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype
+    get: Callable[[str], torch.Tensor], cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype,
+    quant: Quantization = NONE, get_quantized: QuantGetter | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s complete state dict (weights and buffers) from a full-checkpoint getter."""
+    """Rank `rank`'s complete state dict (weights and buffers) from a full-checkpoint getter.
+
+    With `quant`, the weights it covers are quantized whole (or taken already quantized
+    from `get_quantized`, a GGUF's blocks) and then cut: `X.weight` becomes `X.qweight`,
+    `X.scales` (and `X.mins`) in the kernels' packed layout.
+    """
+    get_q = get_quantized or (lambda name, spec: quantize(get(name), spec))
     out: dict[str, torch.Tensor] = {}
     for rule in rules_for(cfg):
+        spec = quant_spec_for(rule, cfg, quant)
+        if spec is not None:
+            qt = shard_qtensor(rule, [get_q(s, spec) for s in rule.sources], cfg, tp, rank)
+            base = rule.name.removesuffix(".weight")
+            out.update({f"{base}.{k}": v for k, v in qt.packed().items()})
+            continue
         piece = shard_tensor(rule, [get(s) for s in rule.sources], cfg, tp, rank)
         out[rule.name] = piece.to(dtype).contiguous()
     # Buffers travel with the weights so that one compiled program serves every rank.

@@ -13,7 +13,7 @@ import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
 from runtime import kernels
-from runtime.checkpoint import load_engine_model_config
+from runtime.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.engine import LLMEngine, worker_loop
 from runtime.engine_source import StoreSource
 from runtime.executors.torch import allocate_kv_cache, make_step_fn, package_files
@@ -24,6 +24,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.plan import StepPlan
+from runtime.quant import runs_here
 from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
 from serve import floors
@@ -61,7 +62,11 @@ class TorchBackend(Backend):
     # ---- 1 resolve, 2 compatible, 3 reserve -------------------------------------------
 
     def resolve(self, ev: Evidence) -> None:
-        self.st.model = load_engine_model_config(self.files.get(ENGINE_CONFIG).parent)
+        src = self.files.get(ENGINE_CONFIG).parent
+        self.st.model = load_engine_model_config(src)
+        if load_engine_quant(src) != self.manifest.quant:
+            raise GateFailure("resolve", f"{ENGINE_CONFIG} and the manifest disagree on the "
+                              "engine's quantization", REBUILD)
 
     def compatible(self, ev: Evidence) -> None:
         m = self.manifest
@@ -76,11 +81,15 @@ class TorchBackend(Backend):
                 f"the engine's kernels were compiled by torch {built_torch}, this host runs {torch.__version__}",
                 REBUILD,
             )
+        ok, quant = runs_here(m.quant, m.backend, m.target.device, self.files.listed(KERNELS_LIB))
+        if not ok:
+            raise GateFailure("compatible", quant, REBUILD)
         if m.target.device == "cuda":
             self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
             torch.cuda.set_device(self.device)
         self.check_files_present(ev)
-        ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__)
+        ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__,
+                  quant=quant)
         ev[HOST_FACTS].update(isa=why, torch=torch.__version__)
 
     def _min_kv_blocks(self) -> int:
@@ -214,7 +223,7 @@ class TorchBackend(Backend):
         tp = TPContext(self.rank, self.comm.size)
         # The package is the copy verified in gate 5, never the engine directory's file.
         step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
-                               self.device)
+                               self.device, m.quant)
         self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
                                   token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
         self.runner.keepalive = shard
@@ -270,7 +279,7 @@ class TorchBackend(Backend):
             ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
                             "the golden steps: prefill, and decode at the largest batch")
         send(StepPlan(PHASE_DONE))
-        ok, evidence = check_golden(record, tops, m.dtype)
+        ok, evidence = check_golden(record, tops, m.dtype, m.quant.scheme)
         ev["golden"] = evidence
         if not ok:
             raise GateFailure(

@@ -61,6 +61,20 @@ _CHECKPOINT = [
     Entry(f"{L}.quantize", "classmethod", ref="§1.1", faked=False,
           note="SmoothQuant / INT8-KV path; signature not in the reference"),
     Entry(f"{M}.MODEL_MAP", "value", ref="§1.2", note="architecture -> model class"),
+    Entry(f"{M}.modeling_utils.QuantConfig", "class", ref="§1.1 (quantization.* fields)",
+          sig="*, quant_algo=None, kv_cache_quant_algo=None, group_size=128, "
+          "has_zero_point=False, pre_quant_scale=False, exclude_modules=None", open=True,
+          members=_f("quant_algo", "kv_cache_quant_algo", "group_size", "has_zero_point",
+                     "pre_quant_scale", "exclude_modules"),
+          note="what from_hugging_face's quant_config= takes; fields = §1.1's quantization.* "
+          "keys; the class name and module are convert_checkpoint.py's import, not in "
+          "shared/reference; real class has further fields (smoothquant_val, clamp_val)"),
+    Entry(f"{T}.quantization.QuantAlgo", "enum", ref="§1.1 (--use_weight_only, --use_fp8)",
+          members=_f("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL", "FP8",
+                     "NVFP4", "NO_QUANT"),
+          note="str enum; the values convert_checkpoint.py's quantization flags set "
+          "(weight_only_precision int8 -> W8A16, int4 -> W4A16, --use_fp8 -> FP8); names from "
+          "the source, not in shared/reference"),
     Entry(f"{M}.PretrainedConfig", "class", ref="§1.2", members_documented=False, members=_f(
         "architecture", "dtype", "logits_dtype", "vocab_size", "max_position_embeddings",
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -152,6 +152,7 @@ def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
         bc.opt_num_tokens = bc.max_batch_size * bc.max_beam_width
     if bc.kv_cache_type is None:
         bc.kv_cache_type = KVCacheType.PAGED
+    _check_quantization(pc.quantization)
     timed = _timing_cache(bc)
     m = pc.mapping
     plan = engine_bytes(
@@ -168,6 +169,15 @@ def build(model: PretrainedModel, build_config: BuildConfig) -> Engine:
         }
     )
     return Engine(EngineConfig(_copy_config(pc), bc, env.trtllm_version()), plan)
+
+
+def _check_quantization(q: dict[str, Any]) -> None:
+    """FP8 GEMMs need FP8 tensor cores (sm_89 and newer): TensorRT finds no kernel else."""
+    from .quantization import FP8_MIN_SM
+
+    sm = int(env.device_sm().replace(".", ""))
+    if str(q.get("quant_algo")) == "FP8" and sm < FP8_MIN_SM:
+        raise RuntimeError(f"FP8 quantization needs SM >= {FP8_MIN_SM}, this GPU is SM {sm}")
 
 
 def _timing_cache(bc: BuildConfig) -> bool:

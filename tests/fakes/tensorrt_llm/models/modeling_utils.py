@@ -8,6 +8,7 @@ weights, so a checkpoint costs a few bytes whatever the model size.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,24 @@ class PretrainedModel:
         )
         if save_config:
             (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+
+
+@dataclasses.dataclass(kw_only=True)
+class QuantConfig:
+    """The checkpoint's `quantization` section as an object (§1.1: quant_algo,
+    kv_cache_quant_algo, group_size, has_zero_point, pre_quant_scale, exclude_modules)."""
+
+    quant_algo: Any = None  # a QuantAlgo, or None
+    kv_cache_quant_algo: Any = None
+    group_size: int = 128
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: list[str] | None = None
+
+
+def quantization_section(qc: QuantConfig) -> dict[str, Any]:
+    """The checkpoint config.json's `quantization` object for a QuantConfig (fake machinery)."""
+    d = dataclasses.asdict(qc)
+    for k in ("quant_algo", "kv_cache_quant_algo"):
+        d[k] = None if d[k] is None else str(d[k])
+    return d

