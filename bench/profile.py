@@ -186,8 +186,8 @@ def main() -> None:
                                      p.tokens_per_block, files=files)
     transport = "gloo" if comm.size > 1 else "none"
     if comm.size > 1 and files.listed(KERNELS_LIB):
-        rows = max(p.max_num_tokens * cfg.hidden_size, p.max_batch_size * cfg.vocab_size // m.tp)
-        transport = kernels.attach_shared_memory(comm, WORLD_GROUP_NAME, rows * 4)
+        slot = kernels.slot_bytes_for(p.max_num_tokens, cfg.hidden_size, cfg.vocab_size, m.tp)
+        transport = kernels.attach_shared_memory(comm, WORLD_GROUP_NAME, slot)
     collective = {b: all_reduce_ms(comm, cfg.hidden_size, runner.kv_cache.dtype, b,
                                    files.listed(KERNELS_LIB)) for b in args.batches}
     if comm.rank != 0:

@@ -73,6 +73,16 @@ def _register_fakes() -> None:
         return x.new_empty((size * x.shape[0], *x.shape[1:]))
 
 
+def slot_bytes_for(max_num_tokens: int, hidden_size: int, vocab_size: int, tp: int) -> int:
+    """One rank's largest contribution to a step's collectives, in float32 bytes: the
+    all-reduce of a step's hidden states (up to max_num_tokens rows), or the all-gather of
+    its logits slice, which may have a row per token too (prompt log-probabilities, the
+    golden prefill), up to the compiled bound of max(max_num_tokens, 6) rows
+    (pipeline/compile/aoti.py)."""
+    logit_rows = max(max_num_tokens, 6)
+    return 4 * max(max_num_tokens * hidden_size, logit_rows * -(-vocab_size // tp))
+
+
 def attach_shared_memory(comm: Comm, group: str, slot_bytes: int) -> str:
     """Give `group` a shared-memory transport when every rank is on this host; across
     hosts the ops fall back to the process group (gloo) of the same name.

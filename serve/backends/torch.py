@@ -183,9 +183,8 @@ class TorchBackend(Backend):
         kernels.load(self.files.get(KERNELS_LIB))
         m, cfg = self.manifest, self.model
         p = m.profile
-        rows = max(p.max_num_tokens * cfg.hidden_size,
-                   p.max_batch_size * (cfg.vocab_size // m.tp))
-        return kernels.attach_shared_memory(self.comm, WORLD_GROUP_NAME, rows * 4)
+        slot = kernels.slot_bytes_for(p.max_num_tokens, cfg.hidden_size, cfg.vocab_size, m.tp)
+        return kernels.attach_shared_memory(self.comm, WORLD_GROUP_NAME, slot)
 
     # ---- 7 allocate, 8 kernels, 9 warmup ------------------------------------------------
 
