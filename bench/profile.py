@@ -75,7 +75,8 @@ def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
     sched, runner = engine.scheduler, engine.runner
     sched.schedule = timers.wrap("schedule", sched.schedule)  # type: ignore[method-assign]
     runner.step_fn = timers.wrap("step function", runner.step_fn)
-    engine.sampler = timers.wrap("sample", engine.sampler)  # type: ignore[assignment]
+    sampler = engine.sampler
+    sampler.sample_seqs = timers.wrap("sample", sampler.sample_seqs)  # type: ignore[method-assign]
     orig_prepare = runner_mod.prepare_inputs
     runner_mod.prepare_inputs = timers.wrap("prepare inputs", orig_prepare)
     try:
