@@ -30,9 +30,9 @@ from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve")
-# Fault injection for lifecycle tests: "GATE:SECONDS" holds every rank at the start of that
-# gate (a stop signal ends the hold), so a signal can be sent while start-up is certainly
-# in progress however fast the gates are.
+# Fault injection for tests: "GATE:SECONDS[,GATE:SECONDS...]" holds every rank at the start
+# of those gates (a stop signal ends a hold), so a signal or a probe lands while start-up is
+# certainly in progress however fast the gates are.
 GATE_DELAY_ENV = "AOTLLM_INJECT_GATE_DELAY"
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
@@ -66,10 +66,10 @@ class Startup:
         return self.comm.rank
 
     def _injected_delay(self, name: str) -> None:
-        gate, _, secs = os.environ.get(GATE_DELAY_ENV, "").partition(":")
-        if gate != name:
+        holds = dict(h.partition(":")[::2] for h in os.environ.get(GATE_DELAY_ENV, "").split(","))
+        if name not in holds:
             return
-        t_end = time.monotonic() + float(secs or 0)
+        t_end = time.monotonic() + float(holds[name] or 0)
         while time.monotonic() < t_end and not self.interrupted():
             time.sleep(0.02)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from serve.startup import GATE_DELAY_ENV
 from tests.conftest import REPO, subprocess_env
 from tests.e2e.harness import Server, launch
 from tests.runtime.hf_reference import hf_model
@@ -110,8 +111,13 @@ def reference(served_checkpoint: Path, engine_dir: Path) -> Reference:
 
 @pytest.fixture(scope="session")
 def server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared healthy TP=2 server; its start-up probes are in `server.history`."""
-    srv = launch(engine_dir, tmp_path_factory.mktemp("server"))
+    """The shared healthy TP=2 server; its start-up probes are in `server.history`.
+
+    The tiny engine's gates pass in well under the second the HTTP layer takes to come up
+    on its thread: held at the kernels and the warmup gates (a few seconds in all), the
+    probes see start-up progress gate by gate however fast or loaded the machine is."""
+    srv = launch(engine_dir, tmp_path_factory.mktemp("server"),
+                 env={GATE_DELAY_ENV: "kernels:3,warmup:2"})
     try:
         srv.wait_ready()
         yield srv
