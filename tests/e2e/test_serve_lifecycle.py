@@ -142,9 +142,13 @@ def test_full_queue_gets_429_and_kill_9_of_rank_1_brings_rank_0_down(
         assert srv.proc.wait(max(0.1, 10 - (time.monotonic() - killed))) != 0
         assert time.monotonic() - killed < 10
         assert srv.run_file(0, "exit") not in (None, 0), srv.logs()
-        # The dead rank's supervisor names the cause; mpirun forwards it to our stderr.
+        # The cause is named on stderr by whichever side mpirun hears first: the dead rank's
+        # supervisor (the signal) or rank 0, whose collective the dead peer broke (the rank
+        # and its host). When rank 0's exit comes first, mpirun ends the job before the
+        # supervisor's line is forwarded, so either line is a correct account.
         assert re.search(r"error: rank 1: its serving process \(pid \d+\) was killed by "
-                         r"SIGKILL", srv.stderr()), srv.logs()
+                         r"SIGKILL|ERROR rank 1 on \S+: disconnected \(the process died or "
+                         r"failed\)", srv.stderr()), srv.logs()
         long.join(10)
         assert not long.is_alive(), "the client of the dead job hangs"
         # Answered, not dropped: the stream ends with an error event, not a broken connection.
