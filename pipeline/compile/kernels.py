@@ -20,7 +20,7 @@ from contract.errors import EXIT_FAILURE, BuildError
 from contract.target import Target
 from pipeline.progress import Progress
 from pipeline.resolve import cache_root
-from runtime.kernels import SOURCES
+from runtime.kernels import HEADERS, SOURCES
 
 # The ISA levels of contract/target.py as compiler flags (x86-64 micro-architecture levels).
 _ISA_FLAGS = {
@@ -55,7 +55,7 @@ def build_kernels(target: Target, progress: Progress | None = None) -> Path:
     flags = compile_flags(target)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256("\0".join([torch.__version__, version, *flags]).encode())
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     out_dir = cache_root() / "kernels" / h.hexdigest()[:16]
     lib = out_dir / LIB_NAME

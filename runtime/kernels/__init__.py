@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from runtime.comm import Comm
 
 SOURCES = tuple(sorted(Path(__file__).resolve().parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).resolve().parent.glob("*.h")))  # in the cache digest
 _loaded: set[Path] = set()
 
 

@@ -6,18 +6,23 @@
 //         no min tensor: symmetric, min = -8 * scale
 //   scale, min float16 [N, groups], g = k / group_size (the last group may be shorter)
 //
-// Few rows (a decode step, M <= kMaxRows): each thread streams a band of W's rows once;
-// every run of 32 weights is dequantized in registers (float32, scaled, then rounded to
-// bf16 for bf16 inputs, exactly as the reference does) and dotted with every input row
-// while it is in registers (AVX512-BF16 vdpbf16ps for bf16, FMAs for float32). Many rows
-// (prefill): W is dequantized to the input dtype once and handed to at::linear (oneDNN,
-// AMX where present), whose GEMM reuses each weight across the rows.
+// On AVX-512 targets, few rows (a decode step, M <= kMaxRows): each thread streams a band
+// of W's rows once; every run of 32 weights is dequantized in registers (float32, scaled,
+// then rounded to bf16 for bf16 inputs, exactly as the reference does) and dotted with
+// every input row while it is in registers (AVX512-BF16 vdpbf16ps for bf16, FMAs for
+// float32). Many rows (prefill): W is dequantized to the input dtype once and handed to
+// at::linear (oneDNN, AMX where present), whose GEMM reuses each weight across the rows.
+// Targets without a native bf16 dot product (AVX2, AVX-512F without BF16) take every M
+// through tile_gemm.h instead: a band of rows dequantized into an L1 buffer, reused by
+// every input row (oneDNN's bf16 GEMM is slow there, and the scalar row loop slower).
 //
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "tile_gemm.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,6 +66,40 @@ void dequant_row(const QWeight& w, int64_t n, bool to_bf16, float* out) {
     if (to_bf16) v = static_cast<float>(static_cast<at::BFloat16>(v));
     out[k] = v;
   }
+}
+
+// Row n of W as float32 in a form the compiler vectorizes (a group at a time), rounded
+// through bf16 when the inputs are bf16: the tiled kernel's band loader.
+void dequant_row_vec(const QWeight& w, int64_t n, bool to_bf16, float* out) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const int64_t k0 = g * w.group, k1 = std::min(w.K, k0 + w.group);
+    const float s = half_to_float(w.scales[n * w.groups + g]);
+    if (!w.int4) {
+      const auto* q = reinterpret_cast<const int8_t*>(w.q) + n * w.K;
+#pragma omp simd
+      for (int64_t k = k0; k < k1; ++k) out[k] = s * static_cast<float>(q[k]);
+      continue;
+    }
+    const float m = w.mins ? half_to_float(w.mins[n * w.groups + g]) : -8.f * s;
+    for (int64_t r = k0; r < k1; r += kRun) {  // groups hold whole runs (K % 32 == 0)
+      const uint8_t* q = w.q + n * (w.K / 2) + r / 2;
+#pragma omp simd
+      for (int64_t j = 0; j < 16; ++j) {
+        out[r + j] = static_cast<float>(q[j] & 15) * s + m;
+        out[r + 16 + j] = static_cast<float>(q[j] >> 4) * s + m;
+      }
+    }
+  }
+  if (to_bf16) aotllm::round_through_bf16(out, w.K);
+}
+
+// y [M, N] float32 for inputs x [M, K] of any float dtype, through the tiled kernel.
+void tiled(const QWeight& w, const at::Tensor& x, const float* bias, float* y, int64_t M) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  aotllm::tile_gemm(
+      xf.data_ptr<float>(), M, w.K, w.N,
+      [&](int64_t n, float* out) { dequant_row_vec(w, n, bf16, out); }, bias, y);
 }
 
 #if defined(__AVX512F__)
@@ -235,15 +274,26 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
               "inputs must be bfloat16, float16 or float32");
   auto out_shape = x.sizes().vec();
   out_shape.back() = w.N;
+  auto xc = x.reshape({M, w.K}).contiguous();
+  at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
+#if !defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+  const bool take_tiled = dt != at::kFloat || M > kMaxRows;  // gemv_f32 has AVX-512 here
+#else
+  const bool take_tiled = true;
+#endif
+  if (take_tiled) {
+    tiled(w, xc, bp, y.data_ptr<float>(), M);
+    return y.to(dt).view(out_shape);
+  }
+#endif
   if (M > kMaxRows) {
     at::Tensor wd = at::empty({w.N, w.K}, x.options().dtype(dt == at::kBFloat16 ? dt : at::kFloat));
     dequant_into(w, wd);
     return at::linear(x, wd.to(dt), b);
   }
-  auto xc = x.reshape({M, w.K}).contiguous();
-  at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
   if (dt == at::kBFloat16) {
     gemv_bf16(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M);
   } else {

@@ -47,7 +47,7 @@ def test_decode_attention_kernel_matches_the_tensor_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 67])
 @pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (70, 100, True), (33, 1536, True)])
 def test_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: int, n: int, k: int,
                                         bias: bool) -> None:
