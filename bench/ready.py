@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from serve.gates import describe_load
+
 BODY = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -97,12 +99,7 @@ def table(run: dict[str, Any]) -> str:
         brief = ", ".join(f"{k}={v}" for k, v in list(ev.items())[:4])
         lines.append(f"  {g['name']:<18}{g['start'] or 0:>7.2f}{g['seconds'] or 0:>7.2f}  "
                      f"{brief[:90]}")
-    for ld in run["load"]:
-        fl = ld.get("floors", {})
-        lines.append(f"    load rank {ld.get('rank')}: {ld.get('read_s')} s from "
-                     f"{ld.get('from', 'directory')}, {ld.get('gbps')} GB/s = {ld.get('vs_floor')}"
-                     f" of {ld.get('floor')} ({fl.get(ld.get('floor'))}); host copy "
-                     f"{fl.get('host_copy_gbps')} GB/s")
+    lines += [f"    load {describe_load(ld)}" for ld in run["load"]]
     return "\n".join(lines)
 
 

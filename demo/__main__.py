@@ -24,6 +24,7 @@ from demo.model import ensure_demo_gguf, ensure_demo_model
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
+from serve.gates import describe_load
 
 QUESTION = "What is the capital of France?"
 
@@ -52,16 +53,7 @@ def cold_start_table(report: dict) -> str:
         text = ", ".join(f"{k}={v}" for k, v in keep.items())
         lines.append(f"{g['name']:<11}{g['start'] or 0:>9.3f}{g['seconds'] or 0:>9.3f}  {text[:110]}")
     lines.append("load per rank (storage -> host, hashed on the way in):")
-    for ld in report["load"]:
-        fl = ld.get("floors", {})
-        floor = (f"store {fl.get('store_read_gbps')} GB/s (ranged GETs of a probe object)"
-                 if "store_read_gbps" in fl else
-                 f"storage {fl.get('storage_read_gbps')} GB/s ({fl.get('storage_mode')})")
-        lines.append(
-            f"  rank {ld.get('rank')}: {ld.get('bytes', 0) / 2**20:.1f} MiB from "
-            f"{ld.get('from', 'directory')} in {ld.get('read_s')} s = {ld.get('gbps')} GB/s "
-            f"({ld.get('vs_floor')} of the floor); floors: {floor}, "
-            f"host copy {fl.get('host_copy_gbps')} GB/s")
+    lines += [f"  {describe_load(ld)}" for ld in report["load"]]
     return "\n".join(lines)
 
 

