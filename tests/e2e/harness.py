@@ -24,6 +24,7 @@ from typing import Any
 
 import openai
 
+from bench.job import alive, cmdline
 from tests.conftest import REPO, mpirun_cmd, subprocess_env
 
 HOST = "127.0.0.1"
@@ -87,18 +88,6 @@ def _proc_stat(pid: int) -> tuple[int, str] | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
     return int(fields[1]), fields[0]
-
-
-def alive(pid: int) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and st[1] not in ("Z", "X")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _descendants(root: int) -> list[int]:
@@ -208,12 +197,12 @@ class Server:
 
     def worker_pids(self) -> list[int]:
         pids = [self.run_file(r, "pid") for r in range(8)]
-        return [p for p in pids if p is not None and str(self.run_dir) in _cmdline(p)]
+        return [p for p in pids if p is not None and str(self.run_dir) in cmdline(p)]
 
     def close(self) -> None:
         """Kill mpirun, the supervisors and the workers of this launch; wait until gone."""
         ours = set(self.worker_pids())  # only pids whose command line names our run dir
-        ours.update(p for p in _descendants(self.proc.pid) if str(self.run_dir) in _cmdline(p))
+        ours.update(p for p in _descendants(self.proc.pid) if str(self.run_dir) in cmdline(p))
         if self.proc.poll() is None:  # not reaped yet, so its pid and group are still ours
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
