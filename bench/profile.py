@@ -81,17 +81,24 @@ def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
     runner_mod.prepare_inputs = timers.wrap("prepare inputs", orig_prepare)
     try:
         prompts = [[(7 * b + 13 * i) % vocab for i in range(context)] for b in range(batch)]
-        params = [SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)] * batch
+        # Prefills end in different steps (chunked by the token budget), so sequences finish
+        # staggered by as many steps: every one must still be running in the timed window.
+        stagger = -(-batch * context // engine.scheduler.config.max_num_tokens) + 1
+        params = [SamplingParams(max_tokens=steps + 2 + stagger, temperature=0.0,
+                                 ignore_eos=True)] * batch
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"p{i}", p, sp, lambda ev: None)
-        while engine.stats().generation_tokens_total < batch:  # prefill + first tokens
+        # Every prefill done and one decode step behind it: the window is pure decode.
+        while engine.stats().generation_tokens_total < 2 * batch:
             engine.step()
         timers.seconds.clear()
         t0 = time.perf_counter()
-        n = 0
-        while engine.step() is not None:
-            n += 1
+        for _ in range(steps):
+            engine.step()
+        n = steps
         wall = time.perf_counter() - t0
+        while engine.step() is not None:  # the rest, untimed
+            pass
     finally:
         runner_mod.prepare_inputs = orig_prepare
     out = {"steps": n, "ms_per_step": wall / max(n, 1) * 1e3, "tok_s": batch * n / wall}

@@ -86,8 +86,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D].
 
-    `use_kernels`: the decode group runs the fused kernel (runtime/kernels), which reads
-    K/V in place with an online softmax, instead of the tensor operations.
+    `use_kernels`: both groups run the fused decode kernel (runtime/kernels), which reads
+    K/V in place with an online softmax, instead of the tensor operations; a prefill chunk's
+    queries go in as one row each, with their own causal context length.
     """
     _, hq, d = q.shape
     hk = k_cache.shape[2]
@@ -103,9 +104,21 @@ def paged_attention(
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
                               scale)
 
-    # Prefill group: queries [Bp, Q] -> [Bp, Hk, g * Q, D]; causal by absolute position.
     bp, nq = meta.pf_q_index.shape
     qp = q[meta.pf_q_index]  # [Bp, Q, Hq, D]
+    if use_kernels:
+        # Every prefill query as a decode row of its own: its sequence's block table and
+        # the keys up to its own position (causal). Keys are re-read per query, which costs
+        # far less than the tensor path's gathers, masks and padded softmax (measured on an
+        # AVX2 host: 512 prompt tokens of SmolLM2, 1.9 s of generated code a step).
+        tables = meta.pf_block_tables.unsqueeze(1).expand(bp, nq, -1).reshape(bp * nq, -1)
+        ctx = (positions[meta.pf_q_index] + 1).reshape(bp * nq)  # [Bp * Q]
+        op = torch.ops.aotllm.paged_decode_attention(
+            qp.reshape(bp * nq, hq, d), k_cache, v_cache, tables, ctx, scale
+        ).reshape(bp * nq, hq * d)
+        return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]
+
+    # Prefill group: queries [Bp, Q] -> [Bp, Hk, g * Q, D]; causal by absolute position.
     qp = qp.view(bp, nq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(bp, hk, g * nq, d)
     kp = _gather_blocks(k_cache, meta.pf_block_tables)
     vp = _gather_blocks(v_cache, meta.pf_block_tables)

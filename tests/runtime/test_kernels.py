@@ -18,7 +18,9 @@ import torch
 from pipeline.compile.kernels import build_kernels
 from runtime import kernels
 from runtime.host import host_cpu_target
-from runtime.models.attention import decode_attention
+from runtime.models.attention import AttentionMetadata, decode_attention, paged_attention
+from runtime.plan import ScheduledSeq
+from runtime.runner import SeqState, prepare_inputs
 from tests.conftest import REPO, subprocess_env
 
 
@@ -44,6 +46,31 @@ def test_decode_attention_kernel_matches_the_tensor_reference(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float().reshape(b, hq * d), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_attends_the_same_with_the_kernel_as_with_tensor_operations(
+        lib: Path, dtype: torch.dtype) -> None:
+    """Decode rows and prefill chunks (one starting at 0, one after cached blocks, a
+    one-token-short chunk padded) in one step: the kernel path, which runs prefill queries
+    as rows of the decode kernel with their own causal lengths, equals the tensor path."""
+    torch.manual_seed(3)
+    bs, hq, hk, d, nb = 4, 6, 2, 16, 64
+    kc, vc = (torch.randn(nb, bs, hk, d).to(dtype) for _ in range(2))
+    items, nxt = [], 1
+    for i, (done, new) in enumerate([(9, 1), (0, 7), (8, 6), (3, 1), (4, 5)]):
+        n = -(-(done + new) // bs)
+        table = list(range(nxt, nxt + n))
+        nxt += n
+        items.append((SeqState([5] * (done + new), table), ScheduledSeq(i, done, new, [], True)))
+    args, _ = prepare_inputs(items, bs)
+    _, positions, slots, out_index, dq, dt, dc, pq, pt, _ = args
+    meta = AttentionMetadata(slots, out_index, dq, dt, dc, pq, pt)
+    q = torch.randn(positions.shape[0], hq, d).to(dtype)
+    got = paged_attention(q, kc, vc, positions, meta, d**-0.5, use_kernels=True)
+    want = paged_attention(q.float(), kc.float(), vc.float(), positions, meta, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
