@@ -97,12 +97,13 @@ def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
             engine.step()
         n = steps
         wall = time.perf_counter() - t0
+        window = dict(timers.seconds)
         while engine.step() is not None:  # the rest, untimed
             pass
     finally:
         runner_mod.prepare_inputs = orig_prepare
     out = {"steps": n, "ms_per_step": wall / max(n, 1) * 1e3, "tok_s": batch * n / wall}
-    out.update({f"{k} ms": v / max(n, 1) * 1e3 for k, v in timers.seconds.items()})
+    out.update({f"{k} ms": v / max(n, 1) * 1e3 for k, v in window.items()})
     out["other host ms"] = out["ms_per_step"] - sum(v for k, v in out.items() if k.endswith(" ms"))
     return out
 
