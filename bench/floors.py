@@ -2,10 +2,10 @@
 
 - memory read bandwidth: sum over a large array (torch, all threads; numpy for reference)
 - host memory copy bandwidth: copy into a destination that is already faulted in
-- bfloat16 matmul rate: torch.mm on large square matrices
+- bfloat16 and float32 matmul rates: torch.mm on large square matrices
 - sequential read of given files from storage, page cache dropped first when allowed
 - the decode floor for a model: weight bytes per step / bandwidth at batch 1, and
-  operations per step / matmul rate at batch 16
+  operations per step / the faster matmul rate at batch 16
 
     python -m bench.floors [--quick] [--files F ...] [--model HF_DIR]
 """
@@ -174,7 +174,11 @@ def measure_all(
         out["storage_read"] = sequential_read(files)
     if model is not None:
         bw = max(out["memory_read_gbs"].values())
-        floor = decode_floor(model, bw, out["bf16_matmul_tflops"])
+        # A bf16 model's products may run in float32 (weights widened on the fly, as our
+        # kernels do on hosts without bf16 arithmetic, where torch's bf16 mm is a slow
+        # fallback): the faster of the two rates bounds the step.
+        rate = max(out["bf16_matmul_tflops"], out["fp32_matmul_tflops"])
+        floor = decode_floor(model, bw, rate)
         out["decode_floor_bf16"] = asdict(floor)
     return out
 
