@@ -122,7 +122,15 @@ def components(weights: dict[str, torch.Tensor], cfg: Any, tp: int, batch: int,
             F.linear(torch.empty(batch, w.shape[1], dtype=dtype), w)
         F.linear(x, head)
 
-    out["GEMMs (all layers + LM head)"] = _best_ms(gemms, 10)
+    out["GEMMs (all layers + LM head), at::linear"] = _best_ms(gemms, 10)
+    if kernels.available():  # what an aoti engine on a CPU runs
+
+        def ours() -> None:
+            for w in linears:
+                torch.ops.aotllm.linear(torch.empty(batch, w.shape[1], dtype=dtype), w, None)
+            torch.ops.aotllm.linear(x, head, None)
+
+        out["GEMMs (all layers + LM head), aotllm::linear"] = _best_ms(ours, 10)
     k_cache, v_cache = device_kv
     hq = cfg.num_attention_heads // tp if cfg.num_attention_heads % tp == 0 else None
     hq = hq or k_cache.shape[2] * (cfg.num_attention_heads // cfg.num_key_value_heads)

@@ -31,12 +31,16 @@ inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline vfloat vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vfloat = __m256;
 constexpr int64_t kLanes = 8;
 inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vfloat vzero() { return _mm256_setzero_ps(); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
 inline float vsum(vfloat v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -106,10 +110,80 @@ inline int64_t band_rows(int64_t K) {
   return std::max<int64_t>(kNB, (8192 / std::max<int64_t>(K, 1)) / kNB * kNB);
 }
 
+#ifndef AOTLLM_SCALAR_TILE
+// Many rows: outer products instead of dot products (no horizontal sums). A band of kCols
+// weight rows is packed K-major (packed[k * kCols + j] = W[n0 + j, k]); each step of k
+// broadcasts one x value per row and multiplies it into two weight vectors. 6 rows x 2
+// vectors = 12 accumulators, + 2 weight vectors + 1 broadcast: AVX2's 16 registers.
+constexpr int64_t kCols = 2 * kLanes, kOuterRows = 6;
+// Below this many rows the band packing (a transpose) costs more than the outer form saves
+// (1536x576, 2 threads, AVX2: 16 rows 0.52 ms dot vs 0.67 outer; 256 rows 7.4 vs 4.2).
+constexpr int64_t kOuterMinRows = 48;
+
+template <int64_t MR>
+inline void outer(const float* x, int64_t K, const float* packed, float* out) {
+  vfloat c0[MR], c1[MR];
+  for (int64_t m = 0; m < MR; ++m) c0[m] = vzero(), c1[m] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vfloat w0 = vload(packed + k * kCols), w1 = vload(packed + k * kCols + kLanes);
+    for (int64_t m = 0; m < MR; ++m) {
+      const vfloat xb = vbcast(x + m * K + k);
+      c0[m] = vfma(xb, w0, c0[m]);
+      c1[m] = vfma(xb, w1, c1[m]);
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    vstore(out + m * kCols, c0[m]);
+    vstore(out + m * kCols + kLanes, c1[m]);
+  }
+}
+
+inline void outer_m(int64_t mr, const float* x, int64_t K, const float* packed, float* out) {
+  switch (mr) {
+    case 6: outer<6>(x, K, packed, out); break;
+    case 5: outer<5>(x, K, packed, out); break;
+    case 4: outer<4>(x, K, packed, out); break;
+    case 3: outer<3>(x, K, packed, out); break;
+    case 2: outer<2>(x, K, packed, out); break;
+    default: outer<1>(x, K, packed, out); break;
+  }
+}
+
+template <typename RowFn>
+void outer_gemm(const float* x, int64_t M, int64_t K, int64_t N, const RowFn& row,
+                const float* bias, float* y) {
+  const int64_t bands = (N + kCols - 1) / kCols;
+  at::parallel_for(0, bands, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> rows(kCols * K), packed(K * kCols);
+    float blk[kOuterRows * kCols];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kCols, nn = std::min(kCols, N - n0);
+      for (int64_t j = 0; j < nn; ++j) row(n0 + j, rows.data() + j * K);
+      std::fill(rows.begin() + nn * K, rows.end(), 0.f);  // a short last band: zero rows
+      for (int64_t j = 0; j < kCols; ++j)
+        for (int64_t k = 0; k < K; ++k) packed[k * kCols + j] = rows[j * K + k];
+      for (int64_t m = 0; m < M; m += kOuterRows) {
+        const int64_t mr = std::min(kOuterRows, M - m);
+        outer_m(mr, x + m * K, K, packed.data(), blk);
+        for (int64_t r = 0; r < mr; ++r)
+          for (int64_t j = 0; j < nn; ++j)
+            y[(m + r) * N + n0 + j] = blk[r * kCols + j] + (bias ? bias[n0 + j] : 0.f);
+      }
+    }
+  });
+}
+#endif
+
 // y[M, N] = x[M, K] W^T (+ bias[N]), float32; W read through `row`.
 template <typename RowFn>
 void tile_gemm(const float* x, int64_t M, int64_t K, int64_t N, const RowFn& row,
                const float* bias, float* y) {
+#ifndef AOTLLM_SCALAR_TILE
+  if (M >= kOuterMinRows) {
+    outer_gemm(x, M, K, N, row, bias, y);
+    return;
+  }
+#endif
   const int64_t band = band_rows(K);
   const int64_t bands = (N + band - 1) / band;
   at::parallel_for(0, bands, 1, [&](int64_t b0, int64_t b1) {

@@ -74,7 +74,7 @@ def test_a_mixed_step_attends_the_same_with_the_kernel_as_with_tensor_operations
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 67])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 67, 130])
 @pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (70, 100, True), (33, 1536, True)])
 def test_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: int, n: int, k: int,
                                         bias: bool) -> None:
