@@ -67,15 +67,13 @@ class Bootstrap:
     plan_addrs: tuple[tuple[str, int], ...] = ()  # every address rank 0 listens on
     comm_iface: str = ""  # the interface asked for (--comm-iface); "" chooses by route
 
-    ENV = "AOTLLM_BOOTSTRAP"
-
-    def to_env(self) -> str:
+    def to_json(self) -> str:
         return json.dumps([self.rank, self.size, self.local_rank, self.local_size,
                            self.store_addr, self.plan_host, self.plan_port, self.secret,
                            [list(a) for a in self.plan_addrs], self.comm_iface])
 
     @classmethod
-    def from_env(cls, value: str) -> Bootstrap:
+    def from_json(cls, value: str) -> Bootstrap:
         r, s, lr, ls, store, host, port, secret, addrs, iface = json.loads(value)
         return cls(int(r), int(s), int(lr), int(ls), store, host, int(port), secret,
                    tuple((str(a), int(p)) for a, p in addrs), iface)

@@ -17,15 +17,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-from runtime.bootstrap import Bootstrap, mpi_bootstrap
+from runtime.bootstrap import mpi_bootstrap
 from runtime.netif import InterfaceError
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"
-PLAN_FD_ENV = "AOTLLM_PLAN_FD"
+BOOT_SOCK_ENV = "AOTLLM_BOOT_SOCK"
 LAUNCH_TIME_ENV = "AOTLLM_LAUNCH_TIME"
 ORPHAN_POLL_S = 0.5
 
@@ -33,27 +34,33 @@ ORPHAN_POLL_S = 0.5
 def supervise(worker_argv: list[str], comm_iface: str | None = None) -> int:
     launched = time.time()  # the interpreter's own start (~0.3 s) precedes this
     parent = os.getppid()
+    # The worker starts first and imports torch (~2.5 s on 2 cores) while this process
+    # does the MPI bootstrap (~1 s: mpi4py, MPI_Init, the rendezvous); it then receives
+    # the bootstrap, and rank 0's listening sockets, over a socket pair (BOOT_SOCK_ENV).
+    # The worker watches the pipe's read end: EOF means this supervisor is gone.
+    parent_r, parent_w = os.pipe()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ)
+    env.setdefault(LAUNCH_TIME_ENV, repr(launched))
+    env[PARENT_FD_ENV] = str(parent_r)
+    env[BOOT_SOCK_ENV] = str(theirs.fileno())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve.worker", *worker_argv], env=env,
+        pass_fds=[parent_r, theirs.fileno()], start_new_session=True,
+    )
+    os.close(parent_r)
+    theirs.close()
     try:
         boot, listeners = mpi_bootstrap(comm_iface)
     except InterfaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stderr.flush()
+        proc.kill()  # it has received nothing: nothing to drain
+        proc.wait()
         os._exit(2)  # without MPI_Finalize: mpirun ends the job
-    # The worker watches the read end: EOF means this supervisor is gone.
-    parent_r, parent_w = os.pipe()
-    env = dict(os.environ)
-    env[Bootstrap.ENV] = boot.to_env()
-    env.setdefault(LAUNCH_TIME_ENV, repr(launched))
-    env[PARENT_FD_ENV] = str(parent_r)
-    fds = [parent_r]
-    if listeners is not None:
-        env[PLAN_FD_ENV] = ",".join(map(str, listeners.fds()))
-        fds += listeners.fds()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serve.worker", *worker_argv], env=env, pass_fds=fds,
-        start_new_session=True,
-    )
-    os.close(parent_r)
+    with ours:
+        socket.send_fds(ours, [boot.to_json().encode()],
+                        listeners.fds() if listeners is not None else [])
     if listeners is not None:
         listeners.close()
     signalled = False
@@ -102,3 +109,17 @@ def supervise(worker_argv: list[str], comm_iface: str | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc if rc > 0 else 128 - rc)
+
+
+def receive_bootstrap(fd: int) -> tuple[str, list[socket.socket]]:
+    """The worker's side: the bootstrap (Bootstrap.to_json's text) and rank 0's listening
+    sockets, sent once by the supervisor, which then closes its end. Blocks until then;
+    ConnectionError if the supervisor ended without sending (its bootstrap failed)."""
+    with socket.socket(fileno=fd) as sock:
+        first, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+        chunks = [first]
+        while first and (more := sock.recv(1 << 16)):
+            chunks.append(more)
+    if not first:
+        raise ConnectionError("the rank's supervisor ended before the MPI bootstrap finished")
+    return b"".join(chunks).decode(), [socket.socket(fileno=f) for f in fds]

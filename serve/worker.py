@@ -27,7 +27,7 @@ from runtime.comm import Comm
 from runtime.engine_files import close_all
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig, parse
-from serve.supervisor import PARENT_FD_ENV, PLAN_FD_ENV
+from serve.supervisor import BOOT_SOCK_ENV, PARENT_FD_ENV, receive_bootstrap
 
 log = logging.getLogger("serve")
 RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed on stderr)
@@ -235,11 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    boot_env = os.environ.get(Bootstrap.ENV)
-    boot = Bootstrap.from_env(boot_env) if boot_env else None
-    plan_fds = os.environ.get(PLAN_FD_ENV)
-    listeners = (Listeners([socket.socket(fileno=int(fd)) for fd in plan_fds.split(",")])
-                 if plan_fds else None)
+    boot, listeners = None, None
+    boot_fd = os.environ.get(BOOT_SOCK_ENV)  # under the supervisor (mpirun); else one rank
+    if boot_fd is not None:
+        try:
+            boot_env, plans = receive_bootstrap(int(boot_fd))
+        except (ConnectionError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        boot = Bootstrap.from_json(boot_env)
+        listeners = Listeners(plans) if plans else None
     rank = boot.rank if boot else 0
     _setup_logging(cfg.log_level, rank, cfg.run_dir)
     life = Lifecycle(cfg.run_dir, rank)
