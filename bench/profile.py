@@ -112,6 +112,8 @@ def components(weights: dict[str, torch.Tensor], cfg: Any, tp: int, batch: int,
                context: int, device_kv: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
     """Eager timings of each kind of work in one decode step, on this rank's weights."""
     linears = [w for name, w in weights.items() if name.endswith("proj.weight")]
+    if not linears:  # a quantized engine: its linears are qweight/scales; engine level only
+        return {}
     dtype = linears[0].dtype
     head = weights.get("lm_head.weight", weights["embed_tokens.weight"])
     x = torch.randn(batch, cfg.hidden_size).to(dtype)
