@@ -239,11 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     boot_fd = os.environ.get(BOOT_SOCK_ENV)  # under the supervisor (mpirun); else one rank
     if boot_fd is not None:
         try:
-            boot_env, plans = receive_bootstrap(int(boot_fd))
+            boot_json, plans = receive_bootstrap(int(boot_fd))
         except (ConnectionError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        boot = Bootstrap.from_json(boot_env)
+        boot = Bootstrap.from_json(boot_json)
         listeners = Listeners(plans) if plans else None
     rank = boot.rank if boot else 0
     _setup_logging(cfg.log_level, rank, cfg.run_dir)
