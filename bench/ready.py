@@ -1,13 +1,17 @@
 """Cold start as an orchestrator sees it: `serve launch` (which starts mpirun) to the first
 `/health/ready` 200, the gate table the server reports, then the first request against
-the steady state of the same request.
+the steady state of the same kind of request.
 
     python -m bench.ready ENGINE [--runs 3] [serve launch args, e.g. --engine-cache DIR]
 
 ENGINE is anything `--engine` takes (a directory, STORE/MODEL@TAG, s3://...). Each run
 prints launch -> ready, where the time went (before the first gate: mpirun, interpreter,
 imports; then each gate), and first vs steady latency of one short chat completion
-(8 tokens, greedy). The load average is printed with every run: on a shared host it is
+(8 tokens, greedy). Every request has a prompt of its own (the same length, a different
+first block): a repeat of the first prompt would be served from the prefix cache and skip
+most of its prefill, and "steady" would then measure a cache hit, not a warm engine (it
+did: 1.4x "first vs steady" that was all prefill). The prefix-cache hits are read from
+/metrics and printed, so the comparison shows it is like for like. The load average is printed with every run: on a shared host it is
 the context the seconds need.
 """
 
@@ -29,8 +33,23 @@ from typing import Any
 
 from serve.gates import describe_load
 
-BODY = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+BODY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def chat_body(model: str, i: int) -> dict[str, Any]:
+    """Request i's body: the system message leads the prompt's first KV block, so no two
+    requests share a cached block; one digit keeps every prompt the same length."""
+    return {**BODY, "model": model, "messages": [
+        {"role": "system", "content": f"Request {i % 10}. You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"}]}
+
+
+def _prefix_hits(base: str) -> float:
+    """Prompt tokens the prefix cache has served so far (the server's /metrics)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0].endswith("prefix_cache_hits_total"))
 
 
 def _get(url: str) -> tuple[int, Any]:
@@ -78,15 +97,17 @@ def one_run(engine: str, extra: list[str], steady: int) -> dict[str, Any]:
             time.sleep(0.02)
         ready = time.monotonic() - t0
         _, report = _get(f"{base}/v1/engine")
-        body = {**BODY, "model": report["engine"]["model"]}
-        first = _post(f"{base}/v1/chat/completions", body)
-        rest = [_post(f"{base}/v1/chat/completions", body) for _ in range(steady)]
+        model = report["engine"]["model"]
+        first = _post(f"{base}/v1/chat/completions", chat_body(model, 0))
+        rest = [_post(f"{base}/v1/chat/completions", chat_body(model, i + 1))
+                for i in range(steady)]
+        hits = _prefix_hits(base)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
     return {"ready_s": ready, "gates": report["gates"], "load": report["load"], "first_s": first,
-            "steady_s": statistics.median(rest), "load_avg": (load0, os.getloadavg()[0])}
+            "steady_s": statistics.median(rest), "prefix_hits": hits, "load_avg": (load0, os.getloadavg()[0])}
 
 
 def table(run: dict[str, Any]) -> str:
@@ -107,15 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ready")
     ap.add_argument("engine")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steady", type=int, default=5, help="requests after the first")
+    ap.add_argument("--steady", type=int, default=5, help="requests after the first (at most 9)")
     args, extra = ap.parse_known_args(argv)  # the rest goes to `serve launch`
+    if not 1 <= args.steady <= 9:  # one digit tells the prompts apart
+        ap.error("--steady must be between 1 and 9")
     runs = []
     for i in range(args.runs):
         r = one_run(args.engine, extra, args.steady)
         runs.append(r)
         print(f"run {i}: launch -> ready {r['ready_s']:.2f} s; first request "
               f"{r['first_s'] * 1e3:.0f} ms, steady {r['steady_s'] * 1e3:.0f} ms "
-              f"({r['first_s'] / r['steady_s']:.2f}x); load avg {r['load_avg'][0]:.1f} -> "
+              f"({r['first_s'] / r['steady_s']:.2f}x, prefix-cache hits {r['prefix_hits']:.0f} "
+              f"tokens); load avg {r['load_avg'][0]:.1f} -> "
               f"{r['load_avg'][1]:.1f} on {os.cpu_count()} CPUs")
         print(f"  {'gate':<18}{'start':>7}{'secs':>7}\n{table(r)}", flush=True)
     ready = [r["ready_s"] for r in runs]
