@@ -191,7 +191,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kernels", type=Path, default=None,
+                    help="a kernels library to run instead of the engine's own (the A/B of a "
+                    "kernel change on one engine; the ops must keep their schemas)")
     args = ap.parse_args()
+    if args.kernels is not None:  # loaded first, the engine's own copy is then not loaded
+        kernels.load(args.kernels)
     comm = Comm.from_mpi()
     m = read_manifest(args.engine)
     files = EngineFiles(args.engine, m)

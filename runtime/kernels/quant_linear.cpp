@@ -14,7 +14,9 @@
 // at::linear (oneDNN, AMX where present), whose GEMM reuses each weight across the rows.
 // Targets without a native bf16 dot product (AVX2, AVX-512F without BF16) take every M
 // through tile_gemm.h instead: a band of rows dequantized into an L1 buffer, reused by
-// every input row (oneDNN's bf16 GEMM is slow there, and the scalar row loop slower).
+// every input row (oneDNN's bf16 GEMM is slow there, and the scalar row loop slower); on
+// AVX2, int4 decode rows of 16-bit inputs take integer dot products against x requantized
+// to int16 per run of 32 (quant_weight.h: an error 128x below the input's own bf16 rounding).
 //
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear.
@@ -200,6 +202,8 @@ QWeight check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales
               "qweight's shape ", q.sizes(), " does not fit inputs of ", K, " features");
   TORCH_CHECK(group > 0 && scales.size(0) == N && scales.size(1) == (K + group - 1) / group,
               "scales ", scales.sizes(), " do not fit groups of ", group, " over ", K, " inputs");
+  TORCH_CHECK(!int4 || group % kRun == 0, "int4 groups of ", group,
+              " split a packed run of 32 values; groups must be a multiple of 32");
   if (mins.has_value()) {
     TORCH_CHECK(int4, "int8 weights take no mins");
     TORCH_CHECK(mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
@@ -228,7 +232,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (M <= kFewRows) {
     const at::Tensor xf = xc.to(at::kFloat).contiguous();
-    gemv_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
+    if (w.int4 && dt != at::kFloat) {  // 16-bit inputs: integer dot products (int4 only)
+      gemv16_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
+    } else {
+      gemv_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
+    }
     return y.to(dt).view(out_shape);
   }
 #endif

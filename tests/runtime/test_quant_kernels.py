@@ -54,6 +54,28 @@ def test_quantized_linear_matches_the_reference(lib: Path, spec: QuantSpec, dtyp
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_decode_rows_of_16_bit_inputs_lose_nothing_but_the_output_rounding(
+        lib: Path, spec: QuantSpec) -> None:
+    """Decode rows (M <= 4) of float16 inputs: on AVX2 x is requantized to int16 per run of
+    32 for integer dot products. Its error must stay far below the float16 output's own
+    rounding (2^-11 relative), with outliers in x (a few features 50x the rest, as LLM
+    activations have) that stretch each run's scale."""
+    torch.manual_seed(7)
+    n, k = 300, 576
+    qt = quantize(torch.randn(n, k) / k**0.5, spec)
+    p = qt.packed()
+    w = dequantize_packed(p["qweight"], p["scales"], p.get("mins"), qt.group, torch.float32)
+    for m in (1, 2, 4):
+        x = torch.randn(m, k)
+        x[:, ::97] *= 50
+        x = x.half()
+        want = torch.nn.functional.linear(x.float(), w)
+        got = _op(x, p, None, qt.group, spec.kind).float()
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=2e-4 * scale, rtol=1e-3)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
 def test_the_kernels_dequantize_exactly_as_the_reference(lib: Path, spec: QuantSpec) -> None:
     qt = quantize(torch.randn(64, 256), spec)
     p = qt.packed()
@@ -80,6 +102,8 @@ def test_bad_shapes_are_errors_not_garbage(lib: Path) -> None:
         torch.ops.aotllm.linear_int4(torch.randn(1, 64), p["qweight"], p["scales"], None, None, 64)
     with pytest.raises(RuntimeError, match="does not fit inputs"):
         torch.ops.aotllm.linear_int4(torch.randn(1, 96), p["qweight"], p["scales"], None, None, 32)
+    with pytest.raises(RuntimeError, match="split a packed run"):
+        torch.ops.aotllm.linear_int4(torch.randn(1, 64), p["qweight"], p["scales"], None, None, 48)
 
 
 def test_the_compatible_gate_says_what_runs_a_quantized_engine() -> None:
