@@ -11,8 +11,8 @@ imports; then each gate), and first vs steady latency of one short chat completi
 first block): a repeat of the first prompt would be served from the prefix cache and skip
 most of its prefill, and "steady" would then measure a cache hit, not a warm engine (it
 did: 1.4x "first vs steady" that was all prefill). The prefix-cache hits are read from
-/metrics and printed, so the comparison shows it is like for like. The load average is printed with every run: on a shared host it is
-the context the seconds need.
+/metrics and printed, so the comparison shows it is like for like. The load average is
+printed with every run: on a shared host it is the context the seconds need.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def one_run(engine: str, extra: list[str], steady: int) -> dict[str, Any]:
             os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
     return {"ready_s": ready, "gates": report["gates"], "load": report["load"], "first_s": first,
-            "steady_s": statistics.median(rest), "prefix_hits": hits, "load_avg": (load0, os.getloadavg()[0])}
+            "steady_s": statistics.median(rest), "prefix_hits": hits,
+            "load_avg": (load0, os.getloadavg()[0])}
 
 
 def table(run: dict[str, Any]) -> str:
