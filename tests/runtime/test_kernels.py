@@ -32,7 +32,10 @@ def lib() -> Path:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32)])
+# Head dims: 64 and 128 (whole 64-wide passes), 80 (a pass and a tail), 12 (no vector path);
+# groups of 3 (padded to 4), 1, 8 (two passes of 4), 5.
+@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32), (6, 2, 128),
+                                             (10, 2, 80), (2, 1, 12)])
 def test_decode_attention_kernel_matches_the_tensor_reference(
         lib: Path, dtype: torch.dtype, hq: int, hk: int, d: int) -> None:
     torch.manual_seed(hq + d)
