@@ -162,7 +162,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise BuildError(str(e), "see `pipeline build --help`") from e
-    result = build_engine(cfg, Progress(sys.stderr))
+    result = build_engine(cfg, _progress())
     m, hit = result.manifest, result.cache_hit
     lines = [
         f"engine    {result.engine_id}  ({'cache hit, nothing rebuilt' if hit else 'built'})",
@@ -192,7 +192,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from contract.manifest import check_engine_files, read_manifest
 
     manifest = read_manifest(args.engine_dir)
-    with Progress(sys.stderr).stage("verify", total=manifest.total_size, unit="B") as st:
+    with _progress().stage("verify", total=manifest.total_size, unit="B") as st:
         problems = check_engine_files(args.engine_dir, manifest, st.advance)
     for path, reason in problems:
         print(f"error: {path}: {reason} — the engine is damaged; rebuild it", file=sys.stderr)
@@ -249,7 +249,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_push(args: argparse.Namespace) -> int:
     from pipeline.remote import describe_push, push
 
-    print(describe_push(push(args.engine_dir, args.store, args.tag, Progress(sys.stderr))))
+    print(describe_push(push(args.engine_dir, args.store, args.tag, _progress())))
     return 0
 
 
@@ -257,7 +257,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from contract.refs import default_cache
     from pipeline.remote import describe_pull, pull
 
-    result = pull(args.ref, args.cache or default_cache(), Progress(sys.stderr))
+    result = pull(args.ref, args.cache or default_cache(), _progress())
     print(describe_pull(result))
     print(result.engine_dir.resolve())  # the last line: scripts capture it
     return 0
@@ -338,10 +338,27 @@ class _Terminated(BaseException):
         self.signum = signum
 
 
+# The signal that stopped this command. A handler's exception raised while a finalizer runs
+# (tqdm's __del__, say) is swallowed by Python ("Exception ignored in ..."), and the build
+# went on to finish and exit 0 after a SIGHUP (seen once in CI); each new stage checks this.
+_received: list[int] = []
+
+
 def _on_signal(signum: int, frame: object) -> NoReturn:
     for s in _HANDLED_SIGNALS:  # a second signal must not interrupt the cleanup it started
         signal.signal(s, signal.SIG_IGN)
+    _received.append(signum)
     raise _Terminated(signum)
+
+
+def _checkpoint() -> None:
+    """Raise the stop signal again if its first exception was swallowed."""
+    if _received:
+        raise _Terminated(_received[0])
+
+
+def _progress() -> Progress:
+    return Progress(sys.stderr, checkpoint=_checkpoint)
 
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

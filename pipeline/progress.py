@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
@@ -100,8 +101,12 @@ class Progress:
     """Reports stages on ``stream`` (stderr by default); ``Progress.silent()`` prints nothing."""
 
     def __init__(
-        self, stream: TextIO | None = None, *, live: bool | None = None, enabled: bool = True
+        self, stream: TextIO | None = None, *, live: bool | None = None, enabled: bool = True,
+        checkpoint: Callable[[], None] | None = None,
     ) -> None:
+        # Called as each stage starts: the CLI re-raises there a stop signal whose exception
+        # Python swallowed (raised inside a finalizer), so the build still stops.
+        self.checkpoint = checkpoint
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         if live is None:
@@ -116,6 +121,8 @@ class Progress:
         return cls(enabled=False)
 
     def stage(self, name: str, total: float | None = None, unit: str = "") -> Stage:
+        if self.checkpoint is not None:
+            self.checkpoint()
         st = Stage(self, name, total, unit, self._depth)
         self._depth += 1
         if not self.live:  # on a TTY the bar shows the stage has started

@@ -166,6 +166,33 @@ def test_a_killed_build_is_never_listed_or_served(ckpt: Path, tmp_path: Path,
     assert check_engine_files(engine, read_manifest(engine)) == []
 
 
+def test_a_stop_signal_swallowed_by_a_finalizer_still_stops_the_next_stage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal handler raises in whatever the main thread runs; inside a finalizer
+    (tqdm's __del__ in the CI run that found this) Python swallows the exception, and the
+    build went on to finish and exit 0. The next stage must raise it again."""
+    swallowed: list[BaseException] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_value))
+    monkeypatch.setattr(cli, "_received", [])
+    saved = {s: signal.getsignal(s) for s in cli._HANDLED_SIGNALS}
+
+    class Finalized:
+        def __del__(self) -> None:
+            cli._on_signal(signal.SIGHUP, None)
+
+    try:
+        obj = Finalized()
+        del obj  # the handler's exception is raised, and swallowed, in __del__
+        assert [type(e) for e in swallowed] == [cli._Terminated]
+        progress = cli._progress()
+        with pytest.raises(cli._Terminated) as raised:
+            progress.stage("copy tokenizer")
+        assert raised.value.signum == signal.SIGHUP
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_terminated_build_cleans_up_after_itself(ckpt: Path, tmp_path: Path,
                                                    sig: signal.Signals) -> None:
