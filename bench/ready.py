@@ -31,7 +31,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.job import metric_sum, parse_metrics
 from serve.gates import describe_load
+from serve.metrics import PREFIX
 
 BODY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -47,9 +49,8 @@ def chat_body(model: str, i: int) -> dict[str, Any]:
 def _prefix_hits(base: str) -> float:
     """Prompt tokens the prefix cache has served so far (the server's /metrics)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.split("{")[0].split(" ")[0].endswith("prefix_cache_hits_total"))
+        page = parse_metrics(r.read().decode())
+    return metric_sum(page, f"{PREFIX}prefix_cache_hits_total")
 
 
 def _get(url: str) -> tuple[int, Any]:
