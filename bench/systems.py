@@ -5,13 +5,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import common
 from bench.servers import ServerSpec, llama_spec, ours_spec, vllm_spec
 
 SYSTEMS = ("ours-tp1", "ours-tp1-nowarmup", "ours-tp2", "llama-server", "vllm")
+# `--quant` adds these (issue 12): our int8_wo / int4_wo engines built from llama.cpp's own
+# Q8_0 / Q4_0 GGUFs (`make bench-peers` makes them from the bf16 GGUF), so both sides
+# multiply by exactly the same weights, and llama-server on each file.
+QUANT_SYSTEMS = ("ours-tp1-int8", "ours-tp1-int4", "llama-server-q8_0", "llama-server-q4_0")
+QUANT_OF = {"ours-tp1-int8": ("Q8_0", "int8_wo"), "ours-tp1-int4": ("Q4_0", "int4_wo"),
+            "llama-server-q8_0": ("Q8_0", None), "llama-server-q4_0": ("Q4_0", None)}
+QUANT_LEVELS = (1, 16)  # the concurrencies issue 12's targets name
 
 # Seconds each system may take, launch to last request, so that `make bench` ends within
 # 40 minutes on 2 cores even when one system is far slower than expected. vLLM gets the
@@ -22,9 +29,11 @@ BUDGET_S = {
     "ours-tp2": 420.0,
     "llama-server": 300.0,
     "vllm": 600.0,
+    **{name: 240.0 for name in QUANT_SYSTEMS},
 }
 QUICK_BUDGET_S = 240.0
 TOTAL_BUDGET_S = 38 * 60.0  # the whole run, builds included; 2 minutes kept for the report
+QUANT_BUDGET_S = 28 * 60.0  # what `--quant` adds: two engine builds and four systems
 # vLLM's compile cache for the run, emptied before its launch (see fresh_vllm_cache).
 VLLM_CACHE = common.cache_dir() / "vllm-compile-cache"
 
@@ -35,17 +44,52 @@ class Planned:
     spec: ServerSpec | None  # None: skipped, for `why`
     why: str = ""
     sweep: bool = True  # ours-tp1-nowarmup only answers the warmup question
+    levels: tuple[int, ...] | None = None  # a subset of the workload's levels (None: all)
 
 
 def tp_of(name: str) -> int:
     return 2 if name == "ours-tp2" else 1
 
 
-def build_engine(sh: Callable[[list[str]], str], hf_dir: Path, tp: int) -> Path:
+def build_engine(
+    sh: Callable[[list[str]], str], source: Path, tp: int, quant: str | None = None
+) -> Path:
     """`pipeline build` prints the engine directory last; a second build is a cache hit."""
-    argv = [str(common.VENV_PYTHON), "-m", "pipeline", "build", str(hf_dir), "--tp", str(tp),
-            "--dtype", "bfloat16"]  # fmt: skip
+    argv = [str(common.VENV_PYTHON), "-m", "pipeline", "build", str(source), "--tp", str(tp),
+            "--dtype", "bfloat16", *(["--quant", quant] if quant else [])]  # fmt: skip
     return Path(sh(argv).strip().splitlines()[-1].strip())
+
+
+def quant_gguf(hf_dir: Path, qtype: str) -> Path:
+    """llama-quantize's `qtype` file of the checkpoint's bf16 GGUF (bench/peers.sh quant)."""
+    bf16 = common.gguf_for(hf_dir)
+    return bf16.with_name(bf16.name.replace("-bf16.gguf", f"-{qtype}.gguf"))
+
+
+def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str]) -> list[Planned]:
+    """The quantized systems, ours built from the same GGUF files llama-server serves."""
+    out: list[Planned] = []
+    for name in QUANT_SYSTEMS:
+        qtype, quant = QUANT_OF[name]
+        gguf = quant_gguf(hf_dir, qtype)
+        if not gguf.exists():
+            why = f"{gguf.name} missing ({common.peer_status('quant')})"
+            out.append(Planned(name, None, why))
+        elif quant is None:
+            if common.llama_server_bin().exists():
+                spec = replace(llama_spec(gguf, common.free_port()), name=name)
+                out.append(Planned(name, spec, levels=QUANT_LEVELS))
+            else:
+                out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))
+        else:
+            try:
+                engine = build_engine(sh, gguf, 1, quant)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+                out.append(Planned(name, None, f"engine build failed: {exc}"))
+                continue
+            spec = ours_spec(engine, common.free_port(), 1, "auto", name)
+            out.append(Planned(name, spec, levels=QUANT_LEVELS))
+    return out
 
 
 def plan(

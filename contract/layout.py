@@ -26,6 +26,22 @@ TOKENIZER_FILES = (
 # Our compiled CPU kernels (aoti engines on CPU), loaded before any rank's package.
 KERNELS_LIB = "kernels.so"
 
+# How the linear weights of the decoder layers are stored in the rank shards: "rows" is
+# row-major [out, in] as in the checkpoint; "panels16" is panels of 16 output columns,
+# K-major (runtime/models/panels.py), the layout our outer-product kernel reads without a
+# transpose per call (runtime/kernels/panel_linear.cpp). Chosen at build time for the
+# target, like TensorRT's tactics, and recorded in the manifest.
+WEIGHT_LAYOUTS = ("rows", "panels16")
+PANEL_COLUMNS = 16
+# CPU ISA levels without a native bf16 dot product: there the panel kernel beats the
+# row-major paths (on avx512_bf16/amx targets vdpbf16ps and oneDNN keep row-major weights).
+_PANEL_ISAS = ("avx2", "avx512")
+
+
+def weight_layout_for(backend: str, device: str, isa: str | None) -> str:
+    """The layout a build writes: panels for aoti engines on those CPU targets."""
+    return "panels16" if backend == "aoti" and device == "cpu" and isa in _PANEL_ISAS else "rows"
+
 
 def rank_shard(rank: int) -> str:
     """A rank's weights (aoti, eager)."""

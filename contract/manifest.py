@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from contract.errors import BuildError
-from contract.layout import MANIFEST_NAME
+from contract.layout import MANIFEST_NAME, WEIGHT_LAYOUTS
 from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from contract.target import Target
@@ -79,6 +79,7 @@ class Manifest:
     golden: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     quant: Quantization = NONE  # recorded only when the engine is quantized
+    weight_layout: str = "rows"  # recorded only when not row-major (contract/layout.py)
 
     @property
     def total_size(self) -> int:
@@ -103,6 +104,7 @@ class Manifest:
             "tp": self.tp,
             "dtype": self.dtype,
             **({"quant": self.quant.to_dict()} if self.quant.enabled else {}),
+            **({"weight_layout": self.weight_layout} if self.weight_layout != "rows" else {}),
             "profile": self.profile.to_dict(),
             "toolchain": dict(self.toolchain),
             "files": [
@@ -145,6 +147,7 @@ class Manifest:
             tp=tp,
             dtype=d["dtype"],
             quant=Quantization.from_dict(d.get("quant")),
+            weight_layout=_weight_layout(d.get("weight_layout", "rows")),
             profile=BuildProfile(**d["profile"]),
             toolchain={str(k): str(v) for k, v in d["toolchain"].items()},
             files=files,
@@ -158,6 +161,12 @@ def rank_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _weight_layout(value: object) -> str:
+    if value not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout {value!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
+    return str(value)
+
+
 def engine_inputs(
     *,
     source_digest: str,
@@ -168,11 +177,14 @@ def engine_inputs(
     profile: BuildProfile,
     toolchain: dict[str, str],
     quant: Quantization = NONE,
+    weight_layout: str = "rows",
 ) -> dict[str, Any]:
     """Everything that determines an engine's bytes, as plain JSON data. The quantization
-    enters only when there is one, so unquantized engines keep the ids they always had."""
+    and a weight layout other than row-major enter only when there is one, so the other
+    engines keep the ids they always had."""
     return {
         **({"quant": quant.to_dict()} if quant.enabled else {}),
+        **({"weight_layout": weight_layout} if weight_layout != "rows" else {}),
         "schema_version": SCHEMA_VERSION,
         "source_digest": source_digest,
         "backend": backend,

@@ -20,7 +20,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from contract.errors import BuildError
-from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
+from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES, weight_layout_for
 from contract.manifest import (
     Manifest,
     Source,
@@ -142,6 +142,7 @@ class BuildPlan:
     toolchain: dict[str, str]
     engine_id: str
     quant: Quantization
+    weight_layout: str = "rows"  # contract/layout.py: chosen for the target (a tactic)
 
 
 def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
@@ -173,6 +174,7 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
     with clock("digest"):
         digest = checkpoint_digest(src.local_dir, progress)
     toolchain = toolchain_versions(cfg.backend)
+    layout = weight_layout_for(cfg.backend, target.device, target.isa)
     inputs = engine_inputs(
         source_digest=digest,
         backend=cfg.backend,
@@ -182,8 +184,9 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
         profile=cfg.profile,
         toolchain=toolchain,
         quant=quant,
+        weight_layout=layout,
     )
-    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant)
+    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant, layout)
 
 
 def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildResult:
@@ -220,7 +223,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
 
                     get_quantized = gguf_quant_getter(src.gguf_file, plan.model_config)
                 convert_checkpoint(src.local_dir, tmp, cfg.tp, cfg.dtype, progress, plan.quant,
-                                   get_quantized)
+                                   get_quantized, plan.weight_layout)
         if cfg.backend == "aoti":
             with clock("compile"):
                 from pipeline.compile.aoti import compile_engine
@@ -234,6 +237,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
                     target=target,
                     progress=progress,
                     quant=plan.quant,
+                    weight_layout=plan.weight_layout,
                 )
         with clock("copy"), progress.stage("copy tokenizer"):
             _copy_extras(src.local_dir, tmp)
@@ -261,6 +265,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             files=files,
             golden=golden,
             quant=plan.quant,
+            weight_layout=plan.weight_layout,
         )
         with clock("commit"):
             write_manifest(tmp, manifest)

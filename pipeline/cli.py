@@ -170,6 +170,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         + (f" @ {m.source.revision}" if m.source.revision else ""),
         f"backend   {m.backend}  target {m.target}  tp {m.tp}  dtype {m.dtype}",
         f"quant     {m.quant.describe()}",
+        f"weights   {m.weight_layout}",
         "files",
         *_table(
             [[f.path, format_bytes(f.size)] for f in m.files]
@@ -221,6 +222,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ["tp", str(m.tp)],
         ["dtype", m.dtype],
         ["quant", m.quant.describe()],
+        ["weight layout", m.weight_layout],
         *[[k, str(v)] for k, v in m.profile.to_dict().items()],
         *[[k, v] for k, v in m.toolchain.items()],
         ["golden", ", ".join(f"{k}" for k in m.golden) or "-"],

@@ -14,15 +14,18 @@ from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
-from runtime.models.sharding import QuantGetter, rules_for, shard_state_dict
+from runtime.models.panels import pack_panels
+from runtime.models.sharding import QuantGetter, is_panel_weight, rules_for, shard_state_dict
 from runtime.quant import QTensor, quantize
 
 
 def convert_checkpoint(
     src: Path, out_dir: Path, tp: int, dtype: str, progress: Progress | None = None,
     quant: Quantization = NONE, get_quantized: QuantGetter | None = None,
+    weight_layout: str = "rows",
 ) -> ModelConfig:
-    """Write out_dir/rank{N}.safetensors for every rank and out_dir/config.json."""
+    """Write out_dir/rank{N}.safetensors for every rank and out_dir/config.json; with
+    `weight_layout` "panels16" the decoder layers' float linears are stored in panels."""
     progress = progress or Progress.silent()
     cfg, hf_cfg = read_model_config(src)
     cfg.check_tp(tp)
@@ -36,11 +39,15 @@ def convert_checkpoint(
             done[(name, spec)] = get_quantized(name, spec) if get_quantized else quantize(get(name), spec)
         return done[(name, spec)]
 
+    panel_names = [r.name for r in rules_for(cfg) if is_panel_weight(r, cfg, quant)]
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
             shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)
+            if weight_layout == "panels16":
+                for name in panel_names:
+                    shard[name] = pack_panels(shard[name])
             st.advance(len(rules_for(cfg)))
             save_file(shard, str(out_dir / rank_shard(rank)), metadata={"rank": str(rank), "tp": str(tp)})
             del shard
-    write_engine_model_config(out_dir, cfg, hf_cfg, quant=quant)
+    write_engine_model_config(out_dir, cfg, hf_cfg, quant=quant, weight_layout=weight_layout)
     return cfg

@@ -20,7 +20,7 @@ def source_digest() -> str:
     repo = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for pkg in _SHAPING_PACKAGES:
-        for p in sorted(f for ext in ("*.py", "*.cpp") for f in (repo / pkg).rglob(ext)):
+        for p in sorted(f for ext in ("*.py", "*.cpp", "*.h") for f in (repo / pkg).rglob(ext)):
             h.update(p.relative_to(repo).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 

@@ -64,10 +64,12 @@ def open_weights(src: Path) -> TensorGetter:
 
 
 def write_engine_model_config(engine_dir: Path, cfg: ModelConfig, hf_cfg: dict, name: str = ENGINE_CONFIG,
-                              quant: Quantization = NONE) -> None:
+                              quant: Quantization = NONE, weight_layout: str = "rows") -> None:
     data = {"model": cfg.to_dict(), "hf_config": hf_cfg}
     if quant.enabled:  # what the weights in the shards are (the manifest records it too)
         data["quant"] = quant.to_dict()
+    if weight_layout != "rows":  # how they are laid out (contract/layout.py)
+        data["weight_layout"] = weight_layout
     (engine_dir / name).write_text(json.dumps(data, indent=2, sort_keys=True))
 
 

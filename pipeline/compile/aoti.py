@@ -101,6 +101,7 @@ def _trace_group(tp: int) -> Iterator[None]:
 def compile_engine(
     engine_dir: Path, cfg: ModelConfig, tp: int, dtype: str, profile: BuildProfile,
     target: Target, progress: Progress | None = None, quant: Quantization = NONE,
+    weight_layout: str = "rows",
 ) -> list[Path]:
     """Write engine_dir/rank{N}.pt2 for every rank (and kernels.so on a CPU target)."""
     progress = progress or Progress.silent()
@@ -112,7 +113,7 @@ def compile_engine(
         shutil.copyfile(lib, engine_dir / KERNELS_LIB)
         kernels.load(engine_dir / KERNELS_LIB)
     with _trace_group(tp):
-        model = build_model(cfg, TPContext(0, tp), td, device, use_kernels, quant)
+        model = build_model(cfg, TPContext(0, tp), td, device, use_kernels, quant, weight_layout)
         args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
         kv = torch.zeros(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), dtype=td, device=device)
         k_caches = [kv[i, 0] for i in range(cfg.num_hidden_layers)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,37 +40,51 @@ def load(path: Path) -> None:
     _loaded.add(path)
 
 
+def _fake(op: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Register a fake for `aotllm::op` if the loaded library has that op: an engine built
+    before the op existed carries a library without it, and still loads."""
+    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        if hasattr(torch.ops.aotllm, op):
+            torch.library.register_fake(f"aotllm::{op}")(fn)
+        return fn
+    return register
+
+
 def _register_fakes() -> None:
-    @torch.library.register_fake("aotllm::paged_decode_attention")
+    @_fake("paged_decode_attention")
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q)
 
-    @torch.library.register_fake("aotllm::linear")
+    @_fake("linear")
     def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
-    @torch.library.register_fake("aotllm::linear_int8")
+    @_fake("linear_panel")
+    def _linear_panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @_fake("linear_int8")
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      b: torch.Tensor | None, group_size: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
-    @torch.library.register_fake("aotllm::linear_int4")
+    @_fake("linear_int4")
     def _linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      mins: torch.Tensor | None, b: torch.Tensor | None,
                      group_size: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
-    @torch.library.register_fake("aotllm::dequantize")
+    @_fake("dequantize")
     def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                     k: int, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:
         return qweight.new_empty((qweight.shape[0], k), dtype=dtype)
 
-    @torch.library.register_fake("aotllm::all_reduce")
+    @_fake("all_reduce")
     def _all_reduce(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake("aotllm::all_gather")
+    @_fake("all_gather")
     def _all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
         return x.new_empty((size * x.shape[0], *x.shape[1:]))
 

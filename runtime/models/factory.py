@@ -24,10 +24,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str = "cpu",
-                use_kernels: bool = False, quant: Quantization = NONE) -> LlamaForCausalLM:
+                use_kernels: bool = False, quant: Quantization = NONE,
+                weight_layout: str = "rows") -> LlamaForCausalLM:
     """A model whose parameters are uninitialised (bind weights with `bind_weights`)."""
     with torch.device(device):
-        return LlamaForCausalLM(cfg, tp, dtype, use_kernels, quant).eval()
+        return LlamaForCausalLM(cfg, tp, dtype, use_kernels, quant, weight_layout).eval()
 
 
 def bind_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:

@@ -23,8 +23,11 @@ class _Weight(nn.Module):
     """A linear layer's [out, in] weight: a plain `weight`, or quantized (`qweight`,
     `scales` and, with a zero point, `mins`; contract/quant.py) when `quant` is given."""
 
-    def _init_weight(self, out: int, inp: int, dtype: torch.dtype, quant: QuantSpec | None) -> None:
+    def _init_weight(self, out: int, inp: int, dtype: torch.dtype, quant: QuantSpec | None,
+                     panels: bool = False) -> None:
         self.quant = quant
+        # A float weight stored in panels of 16 columns (runtime/models/panels.py).
+        self.panels = panels and quant is None
         if quant is None:
             self.weight = _empty(out, inp, dtype=dtype)
             return
@@ -36,14 +39,17 @@ class _Weight(nn.Module):
 
     def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
         if self.quant is None:
-            return linear(x, self.weight, b, tp)
+            return linear(x, self.weight, b, tp, self.panels)
         return qlinear(x, self.qweight, self.scales, self.mins, b, self.group, tp)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext,
+           panels: bool = False) -> torch.Tensor:
     """x W^T + b: our weight-streaming kernel for the few rows of a decode step when the
-    engine has our kernels (it passes larger batches to at::linear itself)."""
+    engine has our kernels (it passes larger batches to at::linear itself), or our panel
+    kernel when the build stored W in panels (only engines with our kernels do)."""
+    if panels:
+        return torch.ops.aotllm.linear_panel(x, w, b)
     if tp.use_kernels:
         return torch.ops.aotllm.linear(x, w, b)
     return F.linear(x, w, b)
@@ -64,9 +70,9 @@ class ColumnParallelLinear(_Weight):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype, quant: QuantSpec | None = None) -> None:
+                 dtype: torch.dtype, quant: QuantSpec | None = None, panels: bool = False) -> None:
         super().__init__()
-        self._init_weight(out_local, in_features, dtype, quant)
+        self._init_weight(out_local, in_features, dtype, quant, panels)
         self.bias = _empty(out_local, dtype=dtype) if bias else None
         self.tp = tp
 
@@ -79,10 +85,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, hidden: int, head_dim: int, q_heads_local: int, kv_heads_local: int, bias: bool,
-        tp: TPContext, dtype: torch.dtype, quant: QuantSpec | None = None,
+        tp: TPContext, dtype: torch.dtype, quant: QuantSpec | None = None, panels: bool = False,
     ) -> None:
         super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, tp, dtype,
-                         quant)
+                         quant, panels)
         self.q_size = q_heads_local * head_dim
         self.kv_size = kv_heads_local * head_dim
 
@@ -98,9 +104,9 @@ class RowParallelLinear(_Weight):
     """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks."""
 
     def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None) -> None:
+                 quant: QuantSpec | None = None, panels: bool = False) -> None:
         super().__init__()
-        self._init_weight(out_features, in_local, dtype, quant)
+        self._init_weight(out_features, in_local, dtype, quant, panels)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from contract.layout import WEIGHT_LAYOUTS
 from contract.quant import NONE, Quantization
 from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.models.config import ModelConfig
@@ -36,16 +37,17 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE) -> None:
+                 quant: Quantization = NONE, panels: bool = False) -> None:
         super().__init__()
         self.use_kernels = tp.use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
         self.d = cfg.head_dim
         self.scale = self.d**-0.5
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype, quant.linear
+            cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype, quant.linear, panels
         )
-        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype, quant.linear)
+        self.o_proj = RowParallelLinear(self.hq * self.d, cfg.hidden_size, tp, dtype, quant.linear,
+                                        panels)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -62,12 +64,13 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE) -> None:
+                 quant: Quantization = NONE, panels: bool = False) -> None:
         super().__init__()
         inter_local = cfg.intermediate_size // tp.size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, tp,
-                                                       dtype, quant.linear)
-        self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype, quant.linear)
+                                                       dtype, quant.linear, panels)
+        self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype, quant.linear,
+                                           panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -75,21 +78,24 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE) -> None:
+                 quant: Quantization = NONE, panels: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype, quant)
+        self.self_attn = Attention(cfg, tp, dtype, quant, panels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, tp, dtype, quant)
+        self.mlp = MLP(cfg, tp, dtype, quant, panels)
 
 
 class LlamaForCausalLM(nn.Module):
     """`use_kernels`: attention calls our fused CPU kernels (aoti engines compiled for a
     CPU; the library must be loaded, runtime/kernels); else tensor operations only.
-    `quant`: the linears (and the LM head, with a tied embedding) hold quantized weights."""
+    `quant`: the linears (and the LM head, with a tied embedding) hold quantized weights.
+    `weight_layout`: how the decoder layers' float linear weights are stored
+    (contract/layout.py); "panels16" needs our kernels."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 use_kernels: bool = False, quant: Quantization = NONE) -> None:
+                 use_kernels: bool = False, quant: Quantization = NONE,
+                 weight_layout: str = "rows") -> None:
         super().__init__()
         self.cfg = cfg
         tp = dataclasses.replace(tp, use_kernels=use_kernels)
@@ -97,7 +103,11 @@ class LlamaForCausalLM(nn.Module):
         embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
                                                    embed_quant)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant)
+        if weight_layout not in WEIGHT_LAYOUTS or (weight_layout != "rows" and not use_kernels):
+            raise ValueError(f"weight layout {weight_layout!r} needs our kernels and one of "
+                             f"{', '.join(WEIGHT_LAYOUTS)}")
+        panels = weight_layout == "panels16"
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, panels)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be

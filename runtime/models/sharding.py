@@ -118,6 +118,13 @@ def quant_spec_for(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> Qu
     return None
 
 
+def is_panel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> bool:
+    """A float weight the "panels16" layout stores in panels: the decoder layers' linears
+    (the LM head stays row-major: it is the embedding's tensor when tied)."""
+    return (rule.name.startswith("layers.") and rule.name.endswith(".weight")
+            and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is None)
+
+
 def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
     """[start, end) of the (padded) KV heads rank `rank` holds."""
     _, hk = cfg.tp_heads(tp)

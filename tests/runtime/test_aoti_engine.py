@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.layout import weight_layout_for
+from contract.manifest import read_manifest
 from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
+from runtime.host import host_cpu_target
 from tests.conftest import REPO, mpirun_cmd, subprocess_env
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
@@ -36,6 +39,11 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
 ) -> None:
     aoti, eager = tiny_tp2_engines["aoti"], tiny_tp2_engines["eager"]
     assert (aoti / "rank0.pt2").is_file() and (aoti / "rank1.pt2").is_file()
+    # On an AVX2 / AVX-512F host the aoti build stores the linears in panels (so this test
+    # checks the panel kernel); the eager engine keeps them row-major.
+    host = host_cpu_target()
+    assert read_manifest(aoti).weight_layout == weight_layout_for("aoti", "cpu", host.isa)
+    assert read_manifest(eager).weight_layout == "rows"
     out = tmp_path / "logits.json"
     cmd = [*mpirun_cmd(2), sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti), str(eager)]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)

@@ -19,6 +19,7 @@ from pipeline.compile.kernels import build_kernels
 from runtime import kernels
 from runtime.host import host_cpu_target
 from runtime.models.attention import AttentionMetadata, decode_attention, paged_attention
+from runtime.models.panels import pack_panels, unpack_panels
 from runtime.plan import ScheduledSeq
 from runtime.runner import SeqState, prepare_inputs
 from tests.conftest import REPO, subprocess_env
@@ -89,6 +90,39 @@ def test_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: int, n
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the output
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_panels_pack_and_unpack_exactly() -> None:
+    for n in (16, 48, 37, 5):  # whole panels, and a short last one
+        w = torch.arange(n * 7, dtype=torch.float32).view(n, 7)
+        p = pack_panels(w)
+        assert p.shape == w.shape and not torch.equal(p, w)
+        torch.testing.assert_close(unpack_panels(p), w, atol=0, rtol=0)
+    # panel 0's row k is columns 0..15 at input k: element [k][j] at k * 16 + j
+    w = torch.randn(40, 9)
+    assert torch.equal(pack_panels(w).reshape(-1)[3 * 16 + 5], w[5, 3])
+    assert torch.equal(pack_panels(w).reshape(-1)[32 * 9 + 2 * 8 + 7], w[32 + 7, 2])  # nr = 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 16, 67])
+@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (70, 100, True), (40, 1536, True),
+                                              (5, 3, False)])
+def test_panel_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: int, n: int,
+                                              k: int, bias: bool) -> None:
+    """Weights packed in panels of 16 columns (n % 16 != 0: a short last panel; n < 16:
+    only that), 1-16 rows (decode) and more (prefill), against F.linear on the same numbers."""
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = torch.ops.aotllm.linear_panel(x, pack_panels(w), b)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # 16-bit: one rounding of the output
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # a leading batch dimension is kept, as at::linear keeps it
+    got3 = torch.ops.aotllm.linear_panel(x.view(1, m, k), pack_panels(w), b)
+    assert got3.shape == (1, m, n) and torch.equal(got3[0], got)
 
 
 def _run_ranks(lib: Path, size: int, mode: str, tmp: Path) -> list[subprocess.CompletedProcess[str]]:

@@ -1,0 +1,47 @@
+"""Which systems `make bench` plans, and the levels each is measured at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import common, run, systems
+
+
+def test_quantized_systems_measure_only_their_levels() -> None:
+    full = run.only_levels(run.FULL, systems.QUANT_LEVELS)
+    assert (full.levels, full.requests_per_level) == ((1, 16), (3, 32))
+    assert run.only_levels(run.FULL, None) is run.FULL
+    quick = run.only_levels(run.QUICK, systems.QUANT_LEVELS)  # quick has levels 1 and 4
+    assert (quick.levels, quick.requests_per_level) == ((1,), (2,))
+
+
+def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AOT_LLM_CACHE", str(tmp_path))
+    hf_dir = tmp_path / "SmolLM2-135M-Instruct"
+    gguf = common.gguf_for(hf_dir)
+    gguf.parent.mkdir(parents=True)
+    q8 = systems.quant_gguf(hf_dir, "Q8_0")
+    assert q8 == gguf.parent / "SmolLM2-135M-Instruct-Q8_0.gguf"
+    q8.write_bytes(b"GGUF")  # Q4_0 is left missing: those systems are skipped with the reason
+    built: list[list[str]] = []
+
+    def sh(argv: list[str]) -> str:
+        built.append(argv)
+        return f"building...\n{tmp_path / 'engine-int8'}\n"
+
+    planned = {p.name: p for p in systems.plan_quant(hf_dir, sh)}
+    assert list(planned) == list(systems.QUANT_SYSTEMS)
+    assert len(built) == 1 and built[0][built[0].index("build") + 1] == str(q8)
+    assert built[0][built[0].index("--quant") + 1] == "int8_wo"
+    ours = planned["ours-tp1-int8"]
+    assert ours.spec is not None and ours.levels == systems.QUANT_LEVELS
+    assert str(tmp_path / "engine-int8") in ours.spec.argv
+    assert planned["ours-tp1-int4"].spec is None
+    assert "SmolLM2-135M-Instruct-Q4_0.gguf missing" in planned["ours-tp1-int4"].why
+    # llama-server is not built in this cache: skipped with its status, not launched
+    assert planned["llama-server-q8_0"].spec is None
+    assert "not installed" in planned["llama-server-q8_0"].why
