@@ -39,7 +39,7 @@ def convert_checkpoint(
             done[(name, spec)] = get_quantized(name, spec) if get_quantized else quantize(get(name), spec)
         return done[(name, spec)]
 
-    panel_names = [r.name for r in rules_for(cfg) if is_panel_weight(r, cfg, quant)]
+    panel_names = [r.name for r in rules_for(cfg) if is_panel_weight(r, cfg, quant, tp)]
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
             shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contract.layout import PANEL_COLUMNS
 from contract.quant import QuantSpec
 from runtime.models.parallel import TPContext
 from runtime.quant import dequantize_packed
@@ -118,9 +119,9 @@ class VocabParallelEmbedding(_Weight):
     Quantized only when it is tied to a quantized LM head (one tensor bound to both)."""
 
     def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None) -> None:
+                 quant: QuantSpec | None = None, panels: bool = False) -> None:
         super().__init__()
-        self._init_weight(vocab_local, hidden, dtype, quant)
+        self._init_weight(vocab_local, hidden, dtype, quant, panels)
         self.dtype = dtype
         self.tp = tp
         self.vocab_local = vocab_local
@@ -130,6 +131,9 @@ class VocabParallelEmbedding(_Weight):
         self.vocab_start = nn.Parameter(torch.tensor(tp.rank * vocab_local), requires_grad=False)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels:  # the tied LM head's panels: row v is column v % 16 of panel v // 16
+            w = self.weight.view(self.vocab_local // PANEL_COLUMNS, -1, PANEL_COLUMNS)
+            return w[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS]  # [T, hidden]
         if self.quant is None:
             return F.embedding(ids, self.weight)
         # Only the looked-up rows are dequantized (the reference's arithmetic, row by row).
@@ -149,9 +153,9 @@ class ParallelLMHead(_Weight):
     """Logits for the rank's vocabulary slice, gathered so every rank holds all of them."""
 
     def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None) -> None:
+                 quant: QuantSpec | None = None, panels: bool = False) -> None:
         super().__init__()
-        self._init_weight(vocab_local, hidden, dtype, quant)
+        self._init_weight(vocab_local, hidden, dtype, quant, panels)
         self.tp = tp
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab]

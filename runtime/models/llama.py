@@ -27,6 +27,7 @@ from runtime.models.layers import (
 )
 from runtime.models.parallel import TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
+from runtime.models.sharding import head_in_panels
 
 
 def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
@@ -99,20 +100,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         tp = dataclasses.replace(tp, use_kernels=use_kernels)
-        vocab_local = cfg.vocab_size // tp.size
-        embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
-        self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
-                                                   embed_quant)
         if weight_layout not in WEIGHT_LAYOUTS or (weight_layout != "rows" and not use_kernels):
             raise ValueError(f"weight layout {weight_layout!r} needs our kernels and one of "
                              f"{', '.join(WEIGHT_LAYOUTS)}")
         panels = weight_layout == "panels16"
+        head_panels = panels and head_in_panels(cfg, tp.size, quant)
+        vocab_local = cfg.vocab_size // tp.size
+        embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
+        self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
+                                                   embed_quant,
+                                                   head_panels and cfg.tie_word_embeddings)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, panels)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be
         # split differently); it keeps every parameter a plain, independently bound tensor.
-        self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head)
+        self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
+                                      head_panels)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
 
     def forward(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.layout import PANEL_COLUMNS
 from contract.quant import NONE, Quantization, QuantSpec
 from runtime.models.config import ModelConfig
 from runtime.models.rope import inv_frequencies
@@ -118,9 +119,19 @@ def quant_spec_for(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> Qu
     return None
 
 
-def is_panel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> bool:
-    """A float weight the "panels16" layout stores in panels: the decoder layers' linears
-    (the LM head stays row-major: it is the embedding's tensor when tied)."""
+def head_in_panels(cfg: ModelConfig, tp: int, quant: Quantization) -> bool:
+    """With the "panels16" layout, the LM head (and the embedding, when tied to it: one
+    tensor) is stored in panels too when it is a float tensor and a rank's vocabulary slice
+    is whole panels, so that the embedding can gather its rows from them."""
+    return quant.lm_head is None and (cfg.vocab_size // tp) % PANEL_COLUMNS == 0
+
+
+def is_panel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization, tp: int) -> bool:
+    """A float weight the "panels16" layout stores in panels: the decoder layers' linears,
+    and the LM head (see head_in_panels); an untied embedding stays row-major."""
+    if rule.name == "lm_head.weight" or (rule.name == "embed_tokens.weight"
+                                         and cfg.tie_word_embeddings):
+        return head_in_panels(cfg, tp, quant)
     return (rule.name.startswith("layers.") and rule.name.endswith(".weight")
             and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is None)
 

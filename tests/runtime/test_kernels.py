@@ -19,7 +19,9 @@ from pipeline.compile.kernels import build_kernels
 from runtime import kernels
 from runtime.host import host_cpu_target
 from runtime.models.attention import AttentionMetadata, decode_attention, paged_attention
+from runtime.models.layers import VocabParallelEmbedding
 from runtime.models.panels import pack_panels, unpack_panels
+from runtime.models.parallel import TPContext
 from runtime.plan import ScheduledSeq
 from runtime.runner import SeqState, prepare_inputs
 from tests.conftest import REPO, subprocess_env
@@ -102,6 +104,15 @@ def test_panels_pack_and_unpack_exactly() -> None:
     w = torch.randn(40, 9)
     assert torch.equal(pack_panels(w).reshape(-1)[3 * 16 + 5], w[5, 3])
     assert torch.equal(pack_panels(w).reshape(-1)[32 * 9 + 2 * 8 + 7], w[32 + 7, 2])  # nr = 8
+
+
+def test_an_embedding_tied_to_a_head_in_panels_gathers_the_same_rows() -> None:
+    vocab, hidden = 64, 24
+    w = torch.randn(vocab, hidden)
+    emb = VocabParallelEmbedding(vocab, hidden, TPContext(), torch.float32, panels=True)
+    emb.weight = torch.nn.Parameter(pack_panels(w), requires_grad=False)
+    ids = torch.tensor([0, 15, 16, 17, 63, 5, 5])
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

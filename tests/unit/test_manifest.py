@@ -3,6 +3,7 @@ directory) and what check_engine_files reports (missing, resized, altered, unlis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,17 +13,20 @@ from typing import Any
 import pytest
 
 from contract.errors import EXIT_BAD_INPUT, BuildError
+from contract.layout import weight_layout_for
 from contract.manifest import (
     FileEntry,
     Manifest,
     Source,
     check_engine_files,
+    engine_id,
+    engine_inputs,
     hash_engine_files,
     read_manifest,
     write_manifest,
 )
 from contract.profile import BuildProfile
-from contract.target import Target
+from contract.target import ISA_LEVELS, Target
 from pipeline.cli import main
 
 
@@ -78,6 +82,26 @@ def test_round_trip_and_clean_check(engine: Path) -> None:
     assert check_engine_files(engine, m) == []
 
 
+def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engine: Path) -> None:
+    m = read_manifest(engine)
+    assert m.weight_layout == "rows" and "weight_layout" not in m.to_dict()
+    panels = dataclasses.replace(m, weight_layout="panels16")
+    write_manifest(engine, panels)
+    assert read_manifest(engine).weight_layout == "panels16"
+    assert json.loads((engine / "manifest.json").read_text())["weight_layout"] == "panels16"
+    common = dict(source_digest="d" * 64, backend="aoti", tp=1, dtype="bfloat16",
+                  target=Target(device="cpu", arch="x86_64", isa="avx2"),
+                  profile=BuildProfile(), toolchain={})  # fmt: skip
+    rows = engine_inputs(**common)
+    assert engine_inputs(**common, weight_layout="rows") == rows  # older ids unchanged
+    assert engine_id(engine_inputs(**common, weight_layout="panels16")) != engine_id(rows)
+    # the layout an aoti build chooses: panels where no native bf16 dot product exists
+    assert [weight_layout_for("aoti", "cpu", isa) for isa in ISA_LEVELS] == [
+        "rows", "panels16", "panels16", "rows", "rows"]
+    assert weight_layout_for("eager", "cpu", "avx2") == "rows"
+    assert weight_layout_for("aoti", "cuda", None) == "rows"
+
+
 @pytest.mark.parametrize("bad_path", [
     "/etc/passwd", "../rank0.safetensors", "tok/../../outside", "", ".", "./", "manifest.json",
 ])
@@ -110,6 +134,7 @@ def test_file_paths_outside_the_engine_are_refused(engine: Path, bad_path: str) 
     (lambda d: d.update(tp="2"), "tp '2' is not a positive integer"),
     (lambda d: d.update(profile={"max_batch_size": 0}), "max_batch_size must be a positive"),
     (lambda d: d.update(toolchain=["torch"]), "malformed"),
+    (lambda d: d.update(weight_layout="panels8"), "weight_layout 'panels8' is not one of"),
 ])
 def test_bad_schema_is_refused(engine: Path, mutate: Any, expect: str) -> None:
     data = json.loads((engine / "manifest.json").read_text())

@@ -1,0 +1,142 @@
+"""Cross-check the bench's load generator with NVIDIA's AIPerf, on ours and llama-server.
+
+    python -m bench.aiperf_check [--engine DIR] [--levels 1 16] [--requests 4 32]
+
+For each server (ours at TP=1 on a bf16 engine, llama-server on the bf16 GGUF of the same
+checkpoint; both from `make bench-peers`) and each concurrency: bench.loadgen (128-token
+prompts on /v1/completions, 128 tokens out, streamed) and then `aiperf profile` (the
+field's client: chat endpoint, streamed, synthetic prompts of 128 tokens before the chat
+template, 128 out, ignore_eos, server token counts) against the same running server.
+Both clients run on the same 2 cores as the server, so both take CPU from it, equally for
+both servers; the table puts the two clients' throughput, TTFT and ITL side by side.
+Writes bench/results/<stamp>/aiperf.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench import common, systems
+from bench.loadgen import LoadSpec, exact_length_body, run_load
+from bench.prompts import load_tokenizer, make_prompts
+from bench.servers import llama_spec, ours_spec, serve
+
+PROMPT_LEN = MAX_TOKENS = 128
+
+
+def aiperf_bin() -> Path:
+    return common.cache_dir() / "aiperf-venv" / "bin" / "aiperf"
+
+
+def run_aiperf(url: str, tokenizer: Path, c: int, n: int, out: Path) -> dict[str, Any]:
+    """One `aiperf profile` run; its JSON export's headline figures."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]  # the name the server answers to
+    argv = [str(aiperf_bin()), "profile", "--model", model, "--url", url,
+            "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tokenizer),
+            "--use-server-token-count", "--extra-inputs", "ignore_eos:true",
+            "--concurrency", str(c), "--request-count", str(n),
+            "--prompt-input-tokens-mean", str(PROMPT_LEN), "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", str(MAX_TOKENS), "--prompt-output-tokens-stddev", "0",
+            "--warmup-request-count", str(min(c, 4)), "--random-seed", "0",
+            "--output-artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
+            "--no-gpu-telemetry"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+    d = json.loads((out / "profile_export_aiperf.json").read_text())
+    return {
+        "command": common.cmdline(argv),
+        "output_tok_s": d["output_token_throughput"]["avg"],
+        "ttft_p50_ms": d["time_to_first_token"]["p50"],
+        "itl_p50_ms": d["inter_token_latency"]["p50"],
+        "itl_p99_ms": d["inter_token_latency"]["p99"],
+        "requests": d["request_count"]["avg"],
+        "isl_avg": d["input_sequence_length"]["avg"],
+        "osl_avg": d["output_sequence_length"]["avg"],
+    }
+
+
+def run_ours(url: str, prompts: list[list[int]], c: int, n: int) -> dict[str, Any]:
+    _, s = run_load(LoadSpec(base_url=url, prompts=prompts, max_tokens=MAX_TOKENS,
+                             concurrency=c, num_requests=n,
+                             extra_body=exact_length_body(MAX_TOKENS)))  # fmt: skip
+    return {"output_tok_s": s.output_tok_s, "ttft_p50_ms": s.ttft_p50_s * 1e3,
+            "itl_p50_ms": s.itl_p50_s * 1e3, "itl_p99_ms": s.itl_p99_s * 1e3,
+            "requests": s.requests, "errors": s.errors}  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| server | c | client | output tok/s | TTFT p50 (ms) | ITL p50 / p99 (ms) |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['server']} | {r['c']} | {r['client']} | {r['output_tok_s']:.1f} | "
+                   f"{r['ttft_p50_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--engine", type=Path, default=None, help="default: pipeline build (bf16)")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--requests", type=int, nargs="+", default=[4, 32])
+    args = ap.parse_args(argv)
+    if len(args.levels) != len(args.requests):
+        raise SystemExit("error: --levels and --requests need the same number of values")
+    hf_dir = common.demo_checkpoint()
+    gguf = common.gguf_for(hf_dir)
+    for need in (aiperf_bin(), common.llama_server_bin(), gguf):
+        if not need.exists():
+            raise SystemExit(f"error: {need} is missing — run `make bench-peers` first")
+
+    def sh(cmd: list[str]) -> str:
+        return subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+    engine = args.engine or systems.build_engine(sh, hf_dir, 1)
+    out = common.RESULTS / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-aiperf")
+    out.mkdir(parents=True)
+    tok = load_tokenizer(hf_dir)
+    rows: list[dict[str, Any]] = []
+    specs = [ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1"),
+             llama_spec(gguf, common.free_port())]  # fmt: skip
+    for spec in specs:
+        with serve(spec, out / "logs") as running:
+            url = running.spec.base_url
+            warm = make_prompts(tok, 8, PROMPT_LEN, seed=7)
+            run_ours(url, warm, 4, 8)  # the same warm pass for both servers
+            for c, n in zip(args.levels, args.requests, strict=True):
+                prompts = make_prompts(tok, n, PROMPT_LEN, seed=100 + c)
+                rows.append({"server": spec.name, "c": c, "client": "bench.loadgen",
+                             **run_ours(url, prompts, c, n)})  # fmt: skip
+                print(table(rows[-1:])[-1], flush=True)
+                t = time.perf_counter()
+                res = run_aiperf(url, hf_dir, c, n, out / f"aiperf-{spec.name}-c{c}")
+                rows.append({"server": spec.name, "c": c, "client": "aiperf", **res,
+                             "seconds": time.perf_counter() - t})  # fmt: skip
+                print(table(rows[-1:])[-1], flush=True)
+    text = "\n".join([
+        f"# bench.loadgen against AIPerf ({out.name})", "",
+        f"Engine {engine}; llama-server on {gguf.name}; {PROMPT_LEN}-token prompts, "
+        f"{MAX_TOKENS} tokens out, streamed. AIPerf's prompts are {PROMPT_LEN} tokens before "
+        "the chat template (its ISL below counts the template too).", "",
+        *table(rows), "",
+        "AIPerf ISL / OSL per run: " + ", ".join(
+            f"{r['server']} c={r['c']}: {r['isl_avg']:.0f} / {r['osl_avg']:.0f}"
+            for r in rows if r["client"] == "aiperf"),
+    ])  # fmt: skip
+    (out / "aiperf.md").write_text(text + "\n")
+    (out / "aiperf.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
