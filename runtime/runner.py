@@ -120,8 +120,8 @@ class ModelRunner:
         self.step_fn = step_fn
         self.token_bucket = token_bucket
         self.max_tokens = max_tokens
-        self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D]
-        # The step function takes each layer's K and V cache as its own (contiguous) tensor.
+        self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D], head-major memory
+        # The step function takes each layer's K and V cache as its own tensor.
         self.k_caches = [kv_cache[i, 0] for i in range(kv_cache.shape[0])]
         self.v_caches = [kv_cache[i, 1] for i in range(kv_cache.shape[0])]
         self.block_size = block_size

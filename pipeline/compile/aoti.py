@@ -28,7 +28,7 @@ from pipeline.compile.kernels import build_kernels
 from pipeline.progress import Progress
 from runtime import kernels
 from runtime.models.config import ModelConfig
-from runtime.models.factory import build_model, kv_cache_shape, torch_dtype
+from runtime.models.factory import build_model, empty_kv_cache, kv_cache_shape, torch_dtype
 from runtime.models.parallel import TPContext
 from runtime.plan import ScheduledSeq
 from runtime.runner import SeqState, prepare_inputs
@@ -115,7 +115,8 @@ def compile_engine(
     with _trace_group(tp):
         model = build_model(cfg, TPContext(0, tp), td, device, use_kernels, quant, weight_layout)
         args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
-        kv = torch.zeros(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), dtype=td, device=device)
+        # The runner's cache layout (head-major strides): the program is compiled for them.
+        kv = empty_kv_cache(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), td, device)
         k_caches = [kv[i, 0] for i in range(cfg.num_hidden_layers)]
         v_caches = [kv[i, 1] for i in range(cfg.num_hidden_layers)]
         with progress.stage("export"), torch.inference_mode(False), torch.no_grad():

@@ -22,7 +22,14 @@ from runtime.checkpoint import (
 from runtime.engine_files import EngineFiles
 from runtime.loader import load_shard
 from runtime.models.config import ModelConfig
-from runtime.models.factory import bind_weights, build_model, kv_cache_shape, torch_dtype
+from runtime.models.factory import (
+    bind_weights,
+    build_model,
+    empty_kv_cache,
+    kv_cache_shape,
+    kv_cache_view,
+    torch_dtype,
+)
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import bind_tied, shard_state_dict
 from runtime.runner import ModelRunner, StepFn
@@ -64,7 +71,7 @@ def allocate_kv_cache(
     # Zeroed, so the null block and never-written slots hold finite values.
     shape = kv_cache_shape(cfg, tp, num_blocks, block_size)
     if device != "cpu":
-        return torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+        return empty_kv_cache(shape, torch_dtype(dtype), device)
     # On the host: fresh anonymous pages, which the kernel hands out zeroed when first
     # touched. torch.zeros would write every page now (0.5 s for 250 MB on a loaded host);
     # these fault in block by block as the cache fills. The tensor keeps the mapping alive.
@@ -74,7 +81,7 @@ def allocate_kv_cache(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-    return flat.view(td).view(shape)
+    return kv_cache_view(flat.view(td), shape)
 
 
 def runner_from_checkpoint(

@@ -6,8 +6,8 @@
 // choices on these targets: dot products (one horizontal sum per output, and the band's
 // widening to float32 buffered per call: tile_gemm.h) or outer products after a transpose
 // per call. Stored K-major in panels, the outer-product kernel reads the weights straight
-// from memory, widens 16 of them per k in registers and multiplies them into up to 6 rows
-// (12 accumulators): no transpose, no buffer, no horizontal sums. Measured (SmolLM2's 30
+// from memory, widens 16 of them per k in registers and multiplies them into up to 5 rows
+// (10 accumulators): no transpose, no buffer, no horizontal sums. Measured (SmolLM2's 30
 // layers of linears, bf16, 2 threads, AVX2 Zen 3): 16 rows 44.3 -> 31.0 ms (77 -> 110
 // GFLOP/s), 4 rows 23.5 -> 14.8 ms, 64 rows 130 -> 111 ms; 1 row on par (memory bound).
 //
@@ -35,7 +35,12 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16, kRows = 6;  // 6 rows x 2 vectors = 12 accumulators
+// At most 5 rows a pass: 10 accumulators, 2 weight vectors, a broadcast and the zero the
+// bf16 widening unpacks against. At 6 rows (12 accumulators) the 16 AVX2 registers are
+// all taken and GCC spilled an accumulator inside the k loop, a store and reload per k
+// that made the kernel 1.75x slower (16 rows, one thread: 85 ms for SmolLM2's 30 layers
+// against 48 ms without the spill).
+constexpr int64_t kPanel = 16, kRows = 5;
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -89,7 +94,6 @@ inline void panel_rows(const float* x, int64_t K, const W* p, float* out) {
 template <typename W>
 inline void panel_block(int64_t mr, const float* x, int64_t K, const W* p, float* out) {
   switch (mr) {
-    case 6: panel_rows<6>(x, K, p, out); break;
     case 5: panel_rows<5>(x, K, p, out); break;
     case 4: panel_rows<4>(x, K, p, out); break;
     case 3: panel_rows<3>(x, K, p, out); break;
@@ -117,6 +121,8 @@ template <typename W>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, const float* bias,
                 float* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  // Rows split evenly into passes of at most kRows (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
+  const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel, nr = std::min(kPanel, N - n0);
@@ -125,8 +131,8 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
       if (nr == kPanel) {
         const int64_t* order = perm<W>();
         float blk[kRows * kPanel];
-        for (int64_t m = 0; m < M; m += kRows) {
-          const int64_t mr = std::min(kRows, M - m);
+        for (int64_t m = 0; m < M; m += rows) {
+          const int64_t mr = std::min(rows, M - m);
           panel_block(mr, x + m * K, K, panel, blk);
           for (int64_t r = 0; r < mr; ++r) {
             float* yr = y + (m + r) * N + n0;

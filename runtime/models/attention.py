@@ -13,7 +13,8 @@ pads an empty group with one dummy row that points at the null block, so every s
 at least 1 and one compiled program serves every mix.
 
 Cache layout, per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], each
-its own argument; slot = block * block_size + offset.
+its own argument; slot = block * block_size + offset. Their memory is head-major
+(runtime/models/factory.py kv_cache_view): nothing here assumes contiguous caches.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     b, m = block_tables.shape
     _, bs, hk, d = cache.shape
     blocks = cache[block_tables]  # [B, M, bs, Hk, D]
-    return blocks.view(b, m * bs, hk, d).transpose(1, 2)
+    return blocks.reshape(b, m * bs, hk, d).transpose(1, 2)
 
 
 def _softmax_av(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
