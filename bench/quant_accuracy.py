@@ -6,8 +6,10 @@
 For each scheme the linears of the checkpoint are quantized exactly as `pipeline build
 --quant` does (runtime/quant.py) and dequantized back (the weights an engine multiplies by;
 tests/runtime/test_quant_engine.py shows aoti and eager engines compute what transformers
-computes on these weights, to 1e-4), all weights are rounded to bf16 (the engine dtype), and
-transformers runs the text in float32 windows. Reported per scheme: mean KL divergence
+computes on these weights, to 1e-4): the quantized linears keep their exact float32 values
+(an aoti engine's kernels multiply by q * scale (+ min) in float32, never rounded to bf16),
+every other weight is rounded to bf16 (the engine dtype), and transformers runs the text in
+float32 windows. Reported per scheme: mean KL divergence
 KL(reference || scheme) of the next-token distributions, top-1 agreement with the reference,
 and perplexity of the text.
 
@@ -73,17 +75,19 @@ def load_text() -> tuple[str, dict[str, str]]:
 
 
 def model_with(hf_dir: Path, spec: QuantSpec | None) -> torch.nn.Module:
-    """The checkpoint with its linears quantized and dequantized per `spec`, weights in bf16
-    (as a bf16 engine holds them), computing in float32."""
+    """The checkpoint with its linears quantized and dequantized per `spec` (exact float32
+    values, as the aoti kernels use them; quantized from the bf16-rounded weights, as
+    llama-quantize quantizes the bf16 GGUF), the other weights in bf16 (as a bf16 engine
+    holds them), computing in float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            w = p.data
             if spec is not None and name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-                w = quantize(w, spec).dequantize()
-            p.data = w.to(torch.bfloat16).float()
+                p.data = quantize(p.data.to(torch.bfloat16).float(), spec).dequantize()
+            else:
+                p.data = p.data.to(torch.bfloat16).float()
     return model
 
 

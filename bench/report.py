@@ -307,11 +307,13 @@ def _baseline_table(res: dict[str, Any]) -> list[str]:
 
 
 def update_latest(out: Path) -> Path:
-    """Copy report.md and the PNGs (not the raw JSON or logs) to bench/results/latest."""
+    """Copy report.md and the PNGs (not the raw JSON or logs) to bench/results/latest,
+    replacing the previous run's; the other results kept there (quant.md, ready.md, ...,
+    written by other benches) stay."""
     latest = RESULTS / "latest"
-    if latest.exists():
-        shutil.rmtree(latest)
-    latest.mkdir(parents=True)
+    latest.mkdir(parents=True, exist_ok=True)
+    for old in [latest / "report.md", latest / "SOURCE", *latest.glob("*.png")]:
+        old.unlink(missing_ok=True)
     for p in [out / "report.md", *sorted(out.glob("*.png"))]:
         shutil.copy2(p, latest / p.name)
     (latest / "SOURCE").write_text(f"{out.name}\n")

@@ -106,20 +106,22 @@ inline void panel_block(int64_t mr, const float* x, int64_t K, const W* p, float
 // A panel of nr columns the vector kernel does not take (a short last panel, or any panel
 // on a target without AVX2): plain loops over the same layout.
 template <typename W>
-void panel_scalar(const float* x, int64_t M, int64_t K, const W* p, int64_t nr, float* y,
+void panel_scalar(const float* x, int64_t M, int64_t K, const W* p, int64_t nr, W* y,
                   int64_t N, int64_t n0, const float* bias) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t j = 0; j < nr; ++j) {
       float acc = 0.f;
       for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * to_float(p[k * nr + j]);
-      y[m * N + n0 + j] = acc + (bias ? bias[n0 + j] : 0.f);
+      y[m * N + n0 + j] = static_cast<W>(acc + (bias ? bias[n0 + j] : 0.f));
     }
   }
 }
 
+// y [M, N] in the weights' (and inputs') dtype, rounded once from the float32 sums: written
+// here rather than by a cast of a float32 result afterwards (one copy less per linear).
 template <typename W>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, const float* bias,
-                float* y) {
+                W* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // Rows split evenly into passes of at most kRows (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
@@ -135,9 +137,10 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
           const int64_t mr = std::min(rows, M - m);
           panel_block(mr, x + m * K, K, panel, blk);
           for (int64_t r = 0; r < mr; ++r) {
-            float* yr = y + (m + r) * N + n0;
+            W* yr = y + (m + r) * N + n0;
             for (int64_t i = 0; i < kPanel; ++i) {
-              yr[order[i]] = blk[r * kPanel + i] + (bias ? bias[n0 + order[i]] : 0.f);
+              const float add = bias ? bias[n0 + order[i]] : 0.f;
+              yr[order[i]] = static_cast<W>(blk[r * kPanel + i] + add);
             }
           }
         }
@@ -159,13 +162,14 @@ at::Tensor linear_panel(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const at::Tensor bf = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({M, N}, x.options());
   switch (w.scalar_type()) {
     case at::kBFloat16:
-      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>());
+      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::BFloat16>(), bp,
+                 y.data_ptr<at::BFloat16>());
       break;
     case at::kHalf:
-      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::Half>(), bp, y.data_ptr<float>());
+      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>());
       break;
     case at::kFloat:
       panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<float>(), bp, y.data_ptr<float>());
@@ -175,7 +179,7 @@ at::Tensor linear_panel(const at::Tensor& x, const at::Tensor& w,
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return y.to(x.scalar_type()).view(shape);
+  return y.view(shape);
 }
 
 }  // namespace

@@ -92,3 +92,23 @@ def test_targets_of_tp_and_quantized_engines() -> None:
     assert "| ours-tp1-int4 c=1 >= 2.2x ours-tp1 (bf16) | 80.0 / 40.0 tok/s = 2.00x | missed |" in lines
     assert "| ours-tp1-int4 c=16 >= 1.0x llama-server-q4_0 | n/a | not measured |" in lines
     assert "| ours-tp1 launch to ready < 10 s | 12.0 s | missed |" in lines
+
+
+def test_update_latest_replaces_the_run_and_keeps_other_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    latest = tmp_path / "latest"
+    latest.mkdir()
+    for name in ("report.md", "old.png", "quant.md"):
+        (latest / name).write_text("before")
+    run = tmp_path / "20261201T000000Z"
+    run.mkdir()
+    (run / "report.md").write_text("new")
+    (run / "throughput.png").write_text("png")
+    (run / "results.json").write_text("{}")
+    report.update_latest(run)
+    assert sorted(p.name for p in latest.iterdir()) == [
+        "SOURCE", "quant.md", "report.md", "throughput.png"]
+    assert (latest / "report.md").read_text() == "new"
+    assert (latest / "quant.md").read_text() == "before"  # another bench's results stay
