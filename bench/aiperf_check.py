@@ -10,6 +10,12 @@ template, 128 out, ignore_eos, server token counts) against the same running ser
 Both clients run on the same 2 cores as the server, so both take CPU from it, equally for
 both servers; the table puts the two clients' throughput, TTFT and ITL side by side.
 Writes bench/results/<stamp>/aiperf.md and .json.
+
+Needs a core the servers do not use. Measured on the 2-core CI VM (stop 21): AIPerf 0.13's
+timing service kept one core 70-90 % busy for the whole run, and our server's two OpenMP
+compute threads then waited on the preempted one at every parallel region (~240 a step):
+a c=1 stream fell from 35 to ~1.2 tokens/s, so the two clients' numbers were not comparable
+and the run was stopped. Run it where the client has its own core (or host).
 """
 
 from __future__ import annotations
