@@ -15,7 +15,7 @@
 // p (columns 16p .. 16p+nr, nr = min(16, N - 16p)) is the block at W + 16pK, element
 // [k][j] at 16pK + k * nr + j. Shape, dtype and size are those of the row-major weight, so
 // sharding, binding and hashing do not change; only this op reads it
-// (runtime/kernels/__init__.py pack_panels writes it).
+// (runtime/models/panels.py pack_panels writes it, at build time).
 //
 // x [..., K] (bf16, fp16 or float32), w [N, K] in panels (the same dtype), b [N] or none
 // -> [..., N] in x's dtype; float32 accumulation.
