@@ -23,85 +23,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "panel_kernel.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
-// At most 5 rows a pass: 10 accumulators, 2 weight vectors, a broadcast and the zero the
-// bf16 widening unpacks against. At 6 rows (12 accumulators) the 16 AVX2 registers are
-// all taken and GCC spilled an accumulator inside the k loop, a store and reload per k
-// that made the kernel 1.75x slower (16 rows, one thread: 85 ms for SmolLM2's 30 layers
-// against 48 ms without the spill).
-constexpr int64_t kPanel = 16, kRows = 5;
-
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
-inline float to_float(at::Half v) { return static_cast<float>(v); }
-
-#if defined(__AVX2__) && defined(__FMA__)
-// One k of a full panel as two float vectors. For bf16, unpacking against zero within each
-// 128-bit lane is the cheapest widening (one load, two shuffles) and yields the columns in
-// the order kPerm names; fp16 and float32 come out in order.
-inline void widen(const at::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
-  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
-}
-inline void widen(const at::Half* p, __m256& lo, __m256& hi) {
-  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-}
-inline void widen(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
-}
-// Output lane i of the two accumulators holds column kPerm[i] of the panel.
-constexpr int64_t kPermBf16[kPanel] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-constexpr int64_t kPermId[kPanel] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-template <typename W>
-constexpr const int64_t* perm() {
-  return std::is_same_v<W, at::BFloat16> ? kPermBf16 : kPermId;
-}
-
-// out[m][i] (lane order) = sum_k x[m][k] * panel[k][perm[i]], for MR rows.
-template <int64_t MR, typename W>
-inline void panel_rows(const float* x, int64_t K, const W* p, float* out) {
-  __m256 c0[MR], c1[MR];
-  for (int64_t m = 0; m < MR; ++m) c0[m] = _mm256_setzero_ps(), c1[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w0, w1;
-    widen(p + k * kPanel, w0, w1);
-    for (int64_t m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-      c0[m] = _mm256_fmadd_ps(xb, w0, c0[m]);
-      c1[m] = _mm256_fmadd_ps(xb, w1, c1[m]);
-    }
-  }
-  for (int64_t m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(out + m * kPanel, c0[m]);
-    _mm256_storeu_ps(out + m * kPanel + 8, c1[m]);
-  }
-}
-
-template <typename W>
-inline void panel_block(int64_t mr, const float* x, int64_t K, const W* p, float* out) {
-  switch (mr) {
-    case 5: panel_rows<5>(x, K, p, out); break;
-    case 4: panel_rows<4>(x, K, p, out); break;
-    case 3: panel_rows<3>(x, K, p, out); break;
-    case 2: panel_rows<2>(x, K, p, out); break;
-    default: panel_rows<1>(x, K, p, out); break;
-  }
-}
-#endif
+using namespace aotllm;  // NOLINT: the micro-kernel (panel_kernel.h)
 
 // A panel of nr columns the vector kernel does not take (a short last panel, or any panel
 // on a target without AVX2): plain loops over the same layout.
@@ -135,7 +66,7 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
         float blk[kRows * kPanel];
         for (int64_t m = 0; m < M; m += rows) {
           const int64_t mr = std::min(rows, M - m);
-          panel_block(mr, x + m * K, K, panel, blk);
+          panel_block(mr, x + m * K, K, K, panel, blk);
           for (int64_t r = 0; r < mr; ++r) {
             W* yr = y + (m + r) * N + n0;
             for (int64_t i = 0; i < kPanel; ++i) {

@@ -13,10 +13,12 @@
 // float32). Many rows (prefill): W is dequantized to the input dtype once and handed to
 // at::linear (oneDNN, AMX where present), whose GEMM reuses each weight across the rows.
 // Targets without a native bf16 dot product (AVX2, AVX-512F without BF16) take every M
-// through tile_gemm.h instead: a band of rows dequantized into an L1 buffer, reused by
-// every input row (oneDNN's bf16 GEMM is slow there, and the scalar row loop slower); on
-// AVX2, int4 decode rows of 16-bit inputs take integer dot products against x requantized
-// to int16 per run of 32 (quant_weight.h: an error 128x below the input's own bf16 rounding).
+// through tile_gemm.h instead (a band of rows dequantized into an L1 buffer, reused by every
+// input row; oneDNN's bf16 GEMM is slow there), except on AVX2: 16-bit inputs of up to 8
+// rows take integer dot products against x requantized to int16 per run of 32
+// (quant_int16.h: an error 128x below the input's own bf16 rounding), and batches of more
+// than 4 rows panels of 16 weight rows dequantized once per call into the outer-product
+// kernel of linear_panel (quant_panel.h).
 //
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear.
@@ -24,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_int16.h"
+#include "quant_panel.h"
 #include "quant_weight.h"
 #include "tile_gemm.h"
 
@@ -230,13 +234,19 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
 #if defined(__AVX2__) && !defined(__AVX512F__)
+  if (dt != at::kFloat && int16_fits(w, M)) {  // 16-bit inputs, decode rows: integer dots
+    const at::Tensor xf = xc.to(at::kFloat).contiguous();
+    gemm_int16(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
+    return y.to(dt).view(out_shape);
+  }
+  if (M > kFewRows && panel_fits(w)) {  // batches: panels dequantized once per call
+    const at::Tensor xf = xc.to(at::kFloat).contiguous();
+    gemm_quant_panels(w, xf.data_ptr<float>(), M, bp, y.data_ptr<float>());
+    return y.to(dt).view(out_shape);
+  }
   if (M <= kFewRows) {
     const at::Tensor xf = xc.to(at::kFloat).contiguous();
-    if (w.int4 && dt != at::kFloat) {  // 16-bit inputs: integer dot products (int4 only)
-      gemv16_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
-    } else {
-      gemv_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
-    }
+    gemv_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
     return y.to(dt).view(out_shape);
   }
 #endif
