@@ -1,5 +1,6 @@
 // The quantized weight layout of contract/quant.py as the kernels read it (QWeight), its
-// row dequantizers, and the AVX2 decode-row kernel (quant_linear.cpp's layout notes apply).
+// row dequantizers, and the AVX2 float32 decode-row kernel (quant_linear.cpp's layout notes
+// apply; 16-bit inputs take quant_int16.h's integer rows instead).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -88,10 +89,11 @@ inline void group_sums(const float* x, int64_t M, int64_t K, int64_t G, int64_t 
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// Decode rows on AVX2 (M <= kFewRows): W is read once and dequantized in registers, with
-// each group's scale (and zero point) factored out of its dot product, as llama.cpp does:
-// x . W_g = s_g (x . q_g) + min_g sum(x_g). The band-tiled kernel, which writes every
-// weight to a float32 buffer first, measured 2-4x slower than this at one row.
+// Decode rows of float32 inputs on AVX2 (M <= kFewRows; 16-bit inputs take the integer rows
+// of quant_int16.h, batches the panels of quant_panel.h): W is read once and dequantized in
+// registers, with each group's scale (and zero point) factored out of its dot product, as
+// llama.cpp does: x . W_g = s_g (x . q_g) + min_g sum(x_g). The band-tiled kernel, which
+// writes every weight to a float32 buffer first, measured 2-4x slower than this at one row.
 constexpr int64_t kFewRows = 4;
 
 // One weight row n against MR input rows (MR a constant, so the accumulators stay in
