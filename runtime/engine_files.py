@@ -8,11 +8,18 @@ open. Another process changing the engine directory after the check changes noth
 load. (The weight shard is hashed while it is read into memory, runtime/loader.py, and
 the bytes in memory are the ones served.) An engine in an object store is read the same
 way, through a `reader` that fetches the object (runtime/engine_source.py).
+
+A worker killed outright (SIGKILL, the OOM killer) cannot remove its private directory, and
+a supervisor that restarts it would fill the temp directory copy by copy. So each directory
+holds an owner lock (flock, released by the kernel when its process dies however it dies),
+and every new EngineFiles first removes the directories whose lock nobody holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,6 +29,36 @@ from contract.errors import EXIT_FAILURE, BuildError
 from contract.manifest import FileEntry, Manifest
 
 _OPEN: list[EngineFiles] = []
+_PREFIX = "aotllm-verified-"
+_OWNER = ".owner"  # the lock file; present only while locked (see _own)
+
+
+def _own(d: Path) -> int:
+    """Lock `d` for this process: the lock is taken under a temporary name and only then
+    renamed to _OWNER, so a sweeper never sees an _OWNER that is not locked."""
+    fd = os.open(d / ".owner-new", os.O_CREAT | os.O_WRONLY, 0o600)  # O_CLOEXEC by default
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(d / ".owner-new", d / _OWNER)
+    return fd
+
+
+def sweep_orphans(tmp: Path | None = None) -> list[Path]:
+    """Remove the private directories of processes that died without closing them."""
+    removed = []
+    for d in Path(tmp or tempfile.gettempdir()).glob(_PREFIX + "*"):
+        try:
+            fd = os.open(d / _OWNER, os.O_RDONLY)
+        except OSError:
+            continue  # being created, or not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 class EngineFiles:
@@ -32,7 +69,9 @@ class EngineFiles:
         self.where = where or str(engine_dir)  # for messages: a directory or a store URL
         self.reader = reader  # None: read from engine_dir
         self.entries: dict[str, FileEntry] = {f.path: f for f in manifest.files}
-        self.dir = Path(tempfile.mkdtemp(prefix="aotllm-verified-"))  # mode 0700
+        sweep_orphans()
+        self.dir = Path(tempfile.mkdtemp(prefix=_PREFIX))  # mode 0700
+        self._owner = _own(self.dir)
         self.verified: list[str] = []
         _OPEN.append(self)
 
@@ -100,6 +139,9 @@ class EngineFiles:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._owner >= 0:
+            os.close(self._owner)
+            self._owner = -1
         if self in _OPEN:
             _OPEN.remove(self)
 

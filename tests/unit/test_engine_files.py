@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,3 +69,50 @@ def test_loaders_read_the_verified_copy_not_the_engine_directory(tmp_path: Path)
     assert files.get_listed(("rank0.pt2", "tokenizer.json")) == [copy]  # unlisted: skipped
     close_all()
     assert not files.dir.exists()
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from tests.unit.test_engine_files import _engine
+from runtime.engine_files import EngineFiles
+root, m = _engine(Path(sys.argv[1]), {"config.json": b"{}"}, listed=("config.json",))
+files = EngineFiles(root, m)
+files.get("config.json")
+print(files.dir, flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(tmp: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
+    (tmp / name).mkdir()
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp / name)], text=True,
+                         stdout=subprocess.PIPE, cwd=Path(__file__).parents[2],
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    assert p.stdout is not None
+    return p, Path(p.stdout.readline().strip())
+
+
+def test_a_killed_process_leaves_no_copy_behind(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed outright (SIGKILL) cannot clean up; the next one removes its copy,
+    and never the copy of a process that is alive."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed, killed_dir = _holder(tmp_path, "a")
+    alive, alive_dir = _holder(tmp_path, "b")
+    try:
+        assert (killed_dir / "config.json").exists() and killed_dir.parent == tmp_path
+        killed.kill()
+        killed.wait()
+        assert killed_dir.exists()  # nobody could remove it yet
+        (tmp_path / "c").mkdir()
+        root, m = _engine(tmp_path / "c", {"config.json": b"{}"}, listed=("config.json",))
+        files = EngineFiles(root, m)
+        assert not killed_dir.exists()
+        assert (alive_dir / "config.json").exists()  # its owner holds the lock
+        files.close()
+        assert not files.dir.exists() and alive_dir.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+        killed.wait()
