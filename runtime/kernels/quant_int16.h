@@ -28,23 +28,41 @@ namespace aotllm {
 // 44-60); at 16 rows the two were level.
 constexpr int64_t kInt16Rows = 8;
 
-inline void quantize_runs_int16(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs) {
+// Eight values of x as float32, from the 16-bit storage the inputs come in (no float32 copy
+// of x per call: at one row that copy and its allocation cost as much as a small linear).
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// xq [M * K] int16, xs [M * K / 32] each run's scale; with `rsum`, each run's float sum
+// (for the int4 zero points).
+template <typename X>
+inline void quantize_runs_int16(const X* x, int64_t M, int64_t K, int16_t* xq, float* xs,
+                                float* rsum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < M * K / kRun; ++i) {
-    const float* p = x + i * kRun;
+    const X* p = x + i * kRun;
+    __m256 v[4];
     __m256 mx = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kRun; j += 8)
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + j)));
+    for (int64_t j = 0; j < 4; ++j) {
+      v[j] = load8(p + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     xs[i] = amax / 32767.f;
+    if (rsum) rsum[i] = aotllm::vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    for (int64_t j = 0; j < kRun; j += 16) {
-      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + j + 8), inv));
+    for (int64_t j = 0; j < 4; j += 2) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
       // packs interleaves the two 128-bit halves; the permute puts values back in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kRun + j),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kRun + 8 * j),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
     }
   }
@@ -160,28 +178,36 @@ inline void rows_int16_any(int64_t mr, const QWeight& w, int64_t n, const int16_
   }
 }
 
-template <bool kInt4>
+template <bool kInt4, typename X>
 inline void gemm_int16_rows(const QWeight& w, int64_t M, const int16_t* xq, const float* xs,
-                            const float* xsum, const float* bias, float* y) {
+                            const float* xsum, const float* bias, X* y) {
   at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
     float out[kInt16Rows];
-    std::vector<float> cs(kInt16Rows * (w.K / kRun));
+    thread_local std::vector<float> cs;
+    cs.resize(kInt16Rows * (w.K / kRun));
     for (int64_t n = begin; n < end; ++n) {
       rows_int16_any<kInt4>(M, w, n, xq, xs, xsum, cs.data(), out);
-      for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = out[m] + (bias ? bias[n] : 0.f);
+      for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = static_cast<X>(out[m] + (bias ? bias[n] : 0.f));
     }
   });
 }
 
-// x [M, K] float32 (the 16-bit input widened), M <= kInt16Rows, K and the group size
-// multiples of 32 (int16_fits).
-inline void gemm_int16(const QWeight& w, const float* x, const float* bias, float* y, int64_t M) {
-  const int64_t K = w.K, groups = w.groups;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xs(M * K / kRun), xsum(w.int4 ? M * groups : 0);
-  quantize_runs_int16(x, M, K, xq.data(), xs.data());
+// x [M, K] bf16 or fp16, M <= kInt16Rows, K and the group size multiples of 32 (int16_fits)
+// -> y [M, N] in x's dtype, rounded once from the float32 sums.
+template <typename X>
+inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  const int64_t K = w.K, runs = K / kRun, groups = w.groups, per_group = w.group / kRun;
+  // Scratch kept between calls (a decode step makes hundreds of these calls).
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs, rsum, xsum;
+  xq.resize(M * K);
+  xs.resize(M * runs);
+  rsum.resize(w.int4 ? M * runs : 0);
+  quantize_runs_int16(x, M, K, xq.data(), xs.data(), w.int4 ? rsum.data() : nullptr);
   if (w.int4) {
-    group_sums(x, M, K, w.group, groups, xsum.data());
+    xsum.assign(M * groups, 0.f);  // groups hold whole runs
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < runs; ++r) xsum[m * groups + r / per_group] += rsum[m * runs + r];
     gemm_int16_rows<true>(w, M, xq.data(), xs.data(), xsum.data(), bias, y);
   } else {
     gemm_int16_rows<false>(w, M, xq.data(), xs.data(), xsum.data(), bias, y);

@@ -232,13 +232,18 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   auto xc = x.reshape({M, w.K}).contiguous();
   at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (dt != at::kFloat && int16_fits(w, M)) {  // 16-bit inputs, decode rows: integer dots
-    const at::Tensor xf = xc.to(at::kFloat).contiguous();
-    gemm_int16(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
-    return y.to(dt).view(out_shape);
+    at::Tensor y16 = at::empty({M, w.N}, x.options());
+    if (dt == at::kBFloat16)
+      gemm_int16(w, xc.data_ptr<at::BFloat16>(), bp, y16.data_ptr<at::BFloat16>(), M);
+    else
+      gemm_int16(w, xc.data_ptr<at::Half>(), bp, y16.data_ptr<at::Half>(), M);
+    return y16.view(out_shape);
   }
+#endif
+  auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
+#if defined(__AVX2__) && !defined(__AVX512F__)
   if (M > kFewRows && panel_fits(w)) {  // batches: panels dequantized once per call
     const at::Tensor xf = xc.to(at::kFloat).contiguous();
     gemm_quant_panels(w, xf.data_ptr<float>(), M, bp, y.data_ptr<float>());

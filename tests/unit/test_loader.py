@@ -47,3 +47,37 @@ def test_floors_are_positive(tmp_path: Path) -> None:
     gbps, mode = storage_read_gbps(path)
     assert gbps > 0 and mode
     assert host_copy_gbps(8 << 20) > 0
+
+
+def _vma_of(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `addr`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= addr < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def test_a_cpu_shard_sits_on_huge_pages_where_the_kernel_allows(tmp_path: Path) -> None:
+    """Decode reads every weight once a step: the shard's buffer starts on a 2 MiB boundary
+    in a mapping marked for transparent huge pages, and the views outlive the shard."""
+    path = tmp_path / "big.safetensors"
+    w = torch.randn(1024, 1536)  # 6 MiB
+    save_file({"w": w}, str(path))
+    shard = load_shard(path)
+    assert shard.buffer is not None and shard.buffer.data_ptr() % (2 << 20) == 0
+    vma = _vma_of(shard.buffer.data_ptr())
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert vma.get("THPeligible") == "1", vma
+    view = shard.weights["w"]
+    del shard
+    assert torch.equal(view, w)  # the mapping lives as long as a view of it
