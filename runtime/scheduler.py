@@ -6,7 +6,8 @@ catches up with known. A long prompt is computed over several steps (chunked pre
 decode is one token (the one sampled last step), and both share a step.
 
 Per step: running sequences first, in arrival order, each taking min(uncomputed, budget
-left) tokens; then waiting sequences, first come first served, while the batch has room,
+left) tokens (prompt chunks also within `max_prefill_tokens_while_decoding` while some
+sequence decodes); then waiting sequences, first come first served, while the batch has room,
 budget is left and the KV blocks for their first chunk are free. Blocks are allocated for
 exactly the tokens computed this step. When a running sequence needs a block and none is
 free, the most recently arrived running sequence (maybe itself) is preempted: its blocks
@@ -135,11 +136,20 @@ class Scheduler(SchedulerState):
         budget = self.config.max_num_tokens
         rows_left = self.config.logit_rows
         preempted = False
+        # Prompt tokens left for this step: capped while any running sequence decodes.
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = cap is not None and any(s.num_uncomputed_tokens == 1 for s in self._running)
+        prefill_left = cap if decoding and cap is not None else budget
 
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new > 1:  # a prompt chunk (or a restarted sequence's recompute)
+                num_new = min(num_new, prefill_left)
+                if num_new < 1:
+                    i += 1
+                    continue
             if seq.want_prompt_logits:
                 # Leave one row for every later running sequence (each may sample).
                 num_new = min(num_new, rows_left - (len(self._running) - i - 1))
@@ -166,6 +176,8 @@ class Scheduler(SchedulerState):
             plan.scheduled.append(entry)
             rows_left -= entry.sample + entry.prompt_logits
             budget -= num_new
+            if num_new > 1:
+                prefill_left -= num_new
             i += 1
 
         slots = sum(self._slots(s) for s in self._running)
@@ -173,13 +185,14 @@ class Scheduler(SchedulerState):
             not preempted
             and self._waiting
             and budget > 0
+            and prefill_left > 0
             and rows_left > 0
             and slots + self._slots(self._waiting[0]) <= self.config.max_batch_size
         ):
             seq = self._waiting[0]
             hits = self._prefix_hits(seq) if bm.enable_prefix_caching else []
             num_cached = len(hits) * bm.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget, prefill_left)
             if seq.want_prompt_logits:
                 num_new = min(num_new, rows_left)
             need = bm.blocks_needed(num_cached + num_new) - len(hits)
@@ -208,6 +221,7 @@ class Scheduler(SchedulerState):
             plan.scheduled.append(entry)
             rows_left -= entry.sample + entry.prompt_logits
             budget -= num_new
+            prefill_left -= num_new
 
         plan.freed_seq_ids = self._pending_freed
         self._pending_freed = []

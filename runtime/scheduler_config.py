@@ -18,6 +18,12 @@ class SchedulerConfig:
     # A compiled step function has a fixed upper bound (pipeline/compile/aoti.py); None
     # means no bound beyond max_num_tokens (eager).
     max_logit_rows: int | None = None
+    # Prompt tokens one step may compute while some running sequence decodes (None: as
+    # many as the budget leaves). Every decode in the step waits for the step, so a
+    # 512-token chunk on a CPU stalls each stream for as long as 512 tokens take (about a
+    # second for the 135M demo on 2 cores); smaller chunks while others decode bound that
+    # stall. With nothing decoding, prompts take the whole budget (an idle server's TTFT).
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
@@ -40,6 +46,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"eos_token_ids must be a tuple of non-negative ints, got {self.eos_token_ids!r}"
             )
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and (not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_prefill_tokens_while_decoding must be a positive integer "
+                             f"or None, got {cap!r}")
         if self.max_logit_rows is not None and self.max_logit_rows < self.max_batch_size:
             raise ValueError(
                 f"max_logit_rows ({self.max_logit_rows}) must be at least max_batch_size "

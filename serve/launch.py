@@ -11,6 +11,10 @@ API_KEY_ENV = "AOTLLM_API_KEY"
 EXIT_DRAIN_CUT = 3  # the drain's deadline cut requests off (0: every request completed)
 CPU_KV_FRACTION = 0.05
 GPU_KV_FRACTION = 0.9
+# Prompt tokens a step may compute while other requests decode, on a CPU (see
+# runtime/scheduler_config.py): a 128-token chunk of the 135M demo costs about 0.2 s on 2
+# cores, 512 about 1 s. GPUs run 2048-token steps in tens of milliseconds: no cap there.
+CPU_PREFILL_WHILE_DECODING = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,8 @@ class LaunchConfig:
     kv_cache_fraction: float | None = None  # None: 0.9 on a GPU, 0.05 on a CPU
     kv_cache_tokens: int | None = None
     max_queue: int = 256
+    # None: CPU_PREFILL_WHILE_DECODING on a CPU, no cap on a GPU; 0: no cap
+    max_prefill_tokens_while_decoding: int | None = None
     warmup: str = "auto"
     drain_timeout: float = 30.0
     log_level: str = "info"
@@ -52,6 +58,9 @@ class LaunchConfig:
             raise ValueError(f"--kv-cache-tokens must be positive, got {self.kv_cache_tokens}")
         if self.max_queue < 1:
             raise ValueError(f"--max-queue must be at least 1, got {self.max_queue}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 0:
+            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got {cap}")
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
@@ -101,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests admitted at once before 429 (default 256)")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                   help="prompt tokens one step may compute while other requests decode, so "
+                   "that a long prompt stalls their streams for a short chunk at a time "
+                   f"(default {CPU_PREFILL_WHILE_DECODING} on a CPU, no cap on a GPU; 0: no "
+                   "cap; the aoti and eager backends; TensorRT-LLM schedules by itself)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",
                    help="auto (default): on a GPU the build profile's shapes, largest first; on "
                    "a CPU the golden check's two steps (prefill, then decode at the largest "
@@ -155,6 +169,7 @@ def parse(argv: list[str]) -> LaunchConfig:
     return LaunchConfig(
         engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
+        max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,

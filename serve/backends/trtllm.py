@@ -324,6 +324,10 @@ class TrtllmBackend(Backend):
     def open(self, ev: Evidence) -> TrtllmExecutor:
         assert self.adapter is not None
         ev["executor"] = "TensorRT-LLM"
+        if self.cfg.max_prefill_tokens_while_decoding:
+            log.warning("--max-prefill-tokens-while-decoding is not applied: TensorRT-LLM's "
+                        "Executor schedules its own chunks (the engine's max_num_tokens)")
+            ev["max_prefill_tokens_while_decoding"] = "not applied (TensorRT-LLM schedules)"
         return self.adapter
 
     def poll(self, timeout: float) -> None:

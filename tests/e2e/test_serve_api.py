@@ -92,6 +92,9 @@ def test_engine_report_has_every_gate_with_timing_and_the_load_figures(server: S
         assert load["floors"]["storage_read_gbps"] > 0 and load["floors"]["host_copy_gbps"] > 0
     assert "rank0.safetensors" in gates[GATE_NAMES.index("verify")]["evidence"]["files"]
     assert rep["kv_cache"]["blocks"] > 0
+    # On a CPU, prompts computed while others decode come in chunks of at most 128 tokens.
+    admission = gates[GATE_NAMES.index("admission")]["evidence"]
+    assert admission["max_prefill_tokens_while_decoding"] == 128, admission
     # The same timeline is logged at admission as one table, a row per gate.
     log = server.stderr()
     table = log[log.index("admission open; cold start:"):].splitlines()[1:len(GATE_NAMES) + 2]

@@ -204,8 +204,11 @@ TIGHT = dict(max_batch_size=5, max_num_tokens=16, num_blocks=1 + 16)
         dict(max_batch_size=2, max_num_tokens=64, num_blocks=1 + 9, block_size=8),
         dict(TIGHT, enable_prefix_caching=True),
         dict(max_num_tokens=9, num_blocks=1 + 40, enable_prefix_caching=True),
+        dict(TIGHT, max_prefill_tokens_while_decoding=3),
+        dict(max_prefill_tokens_while_decoding=1, enable_prefix_caching=True),
     ],
-    ids=["roomy", "tight", "tiny-budget", "block1", "big-blocks", "tight-cache", "cache"],
+    ids=["roomy", "tight", "tiny-budget", "block1", "big-blocks", "tight-cache", "cache",
+         "tight-decode-cap", "decode-cap-1"],
 )
 def test_random_workloads_match_the_reference(seed: int, kw: dict[str, object]) -> None:
     reqs = random_requests(seed, 40, shared_prefix=bool(kw.get("enable_prefix_caching")))
@@ -283,6 +286,7 @@ def entries(plan: StepPlan) -> list[tuple[int, int, int, int, bool]]:
         dict(num_blocks=1),
         dict(eos_token_ids=[0]),
         dict(eos_token_ids=(-1,)),
+        dict(max_prefill_tokens_while_decoding=0),
     ],
 )
 def test_config_validation(kw: dict[str, object]) -> None:
@@ -363,6 +367,27 @@ def test_decodes_go_first_and_a_new_prompt_takes_the_rest_of_the_budget() -> Non
     assert entries(plan) == [(0, 3, 1, 0, True), (1, 5, 5, 1, False)]
     plan, _ = step(sched)
     assert entries(plan) == [(0, 4, 1, 1, True), (1, 10, 5, 1, False)]
+
+
+def test_prompt_chunks_shrink_while_others_decode() -> None:
+    """While a sequence decodes, prompts get at most max_prefill_tokens_while_decoding tokens
+    a step (its stall stays short); with nothing decoding, a prompt takes the budget."""
+    sched = Scheduler(config(max_num_tokens=64, max_prefill_tokens_while_decoding=8))
+    add(sched, 0, list(range(1, 21)), max_tokens=10)
+    plan, _ = step(sched)
+    assert entries(plan) == [(0, 0, 20, 5, True)]  # nothing decodes: the whole prompt
+    add(sched, 1, list(range(1, 13)), max_tokens=2)
+    add(sched, 2, list(range(1, 31)), max_tokens=2)
+    plan, _ = step(sched)
+    assert entries(plan) == [(0, 20, 1, 1, True), (1, 0, 8, 2, False)]
+    plan, _ = step(sched)  # the running prompt's chunk comes out of the same 8
+    assert entries(plan) == [(0, 21, 1, 0, True), (1, 8, 4, 1, True), (2, 0, 4, 1, False)]
+    plan, _ = step(sched)
+    assert [(e[0], e[2]) for e in entries(plan)] == [(0, 1), (1, 1), (2, 8)]
+    sched.abort(0)
+    sched.abort(1)
+    plan, _ = step(sched)  # nobody decodes any more: the rest of the prompt at once
+    assert [(e[0], e[2]) for e in entries(plan)] == [(2, 18)]
 
 
 def test_batch_size_limit() -> None:
