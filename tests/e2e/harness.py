@@ -71,9 +71,14 @@ def call(port: int, method: str, path: str, body: Body = None,
     hdrs.update(headers or {})
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        # The server may answer (e.g. 413) before it has read the whole body.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        # The server may answer (e.g. 413) before it has read the whole body. A reset while
+        # connecting (a server closing its listener) leaves no socket to read an answer
+        # from: that is no answer, an OSError like a refused connection.
+        try:
             conn.request(method, path, body=body, headers=hdrs)
+        except (BrokenPipeError, ConnectionResetError):
+            if conn.sock is None:
+                raise
         resp = conn.getresponse()
         return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
     finally:
