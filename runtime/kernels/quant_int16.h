@@ -3,7 +3,8 @@
 // take the dequantized panels of quant_panel.h).
 //
 // x is requantized to int16 per run of 32 (one scale a run, its absmax / 32767); each run of
-// 32 weights is widened to int16 once (int8: sign extension; int4: the nibbles) and
+// 32 weights is widened to int16 once (int8: sign extension; int4: the nibbles, two runs at
+// a time in quant_int4_pairs.h) and
 // `vpmaddwd`-ed against up to 8 input rows while it is in registers; one float FMA a run
 // and a row scales the integer sum by the run's combined scale (weight group scale x input
 // run scale, made first, 8 at a time for groups of 32, so that the run loop only
@@ -104,11 +105,12 @@ inline void combined_scales(const QWeight& w, int64_t n, const float* xs, float*
   }
 }
 
-// One weight row n against MR input rows (xq, xs, xsum start at the block's first row).
-template <int64_t MR, bool kInt4>
+// One int8 weight row n against MR input rows (xq, xs start at the block's first row); int4
+// rows take quant_int4_pairs.h, two runs at a time.
+template <int64_t MR>
 inline void rows_int16(const QWeight& w, int64_t n, const int16_t* xq, const float* xs,
-                       const float* xsum, float* cs, float* out) {
-  const int64_t K = w.K, runs = K / kRun, groups = w.groups;
+                       float* cs, float* out) {
+  const int64_t K = w.K, runs = K / kRun;
   combined_scales<MR>(w, n, xs, cs);
   // With one or two input rows, a single accumulator a row would wait on the FMA's latency
   // every run (perf: most samples on it); U runs a pass keep U chains in flight.
@@ -121,7 +123,7 @@ inline void rows_int16(const QWeight& w, int64_t n, const int16_t* xq, const flo
 #pragma GCC unroll 2
     for (int64_t u = 0; u < U; ++u) {
       __m256i v0, v1;
-      run_int16<kInt4>(w, n, r + u, v0, v1);
+      run_int16<false>(w, n, r + u, v0, v1);
       for (int64_t m = 0; m < MR; ++m) {
         const auto* xr = reinterpret_cast<const __m256i*>(xq + m * K + (r + u) * kRun);
         const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
@@ -133,7 +135,7 @@ inline void rows_int16(const QWeight& w, int64_t n, const int16_t* xq, const flo
   }
   for (; r < runs; ++r) {  // an odd run left when U = 2
     __m256i v0, v1;
-    run_int16<kInt4>(w, n, r, v0, v1);
+    run_int16<false>(w, n, r, v0, v1);
     for (int64_t m = 0; m < MR; ++m) {
       const auto* xr = reinterpret_cast<const __m256i*>(xq + m * K + r * kRun);
       const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
@@ -146,72 +148,46 @@ inline void rows_int16(const QWeight& w, int64_t n, const int16_t* xq, const flo
     for (int64_t u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[u * MR + m]);
     out[m] = aotllm::vsum(a);
   }
-  if constexpr (kInt4) {
-    // The zero points: sum_g min_g * sum(x_g), min_g the stored min or -8 s_g (symmetric).
-    const at::Half* mn = w.mins ? w.mins + n * groups : w.scales + n * groups;
-    for (int64_t m = 0; m < MR; ++m) {
-      const float* xg = xsum + m * groups;
-      __m256 e = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8)
-        e = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
-                            _mm256_loadu_ps(xg + g), e);
-      float extra = aotllm::vsum(e);
-      for (; g < groups; ++g) extra += half_to_float(mn[g]) * xg[g];
-      out[m] += w.mins ? extra : -8.f * extra;
-    }
-  }
 }
 
-template <bool kInt4>
 inline void rows_int16_any(int64_t mr, const QWeight& w, int64_t n, const int16_t* xq,
-                           const float* xs, const float* xsum, float* cs, float* out) {
+                           const float* xs, float* cs, float* out) {
   switch (mr) {
-    case 1: return rows_int16<1, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 2: return rows_int16<2, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 3: return rows_int16<3, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 4: return rows_int16<4, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 5: return rows_int16<5, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 6: return rows_int16<6, kInt4>(w, n, xq, xs, xsum, cs, out);
-    case 7: return rows_int16<7, kInt4>(w, n, xq, xs, xsum, cs, out);
-    default: return rows_int16<8, kInt4>(w, n, xq, xs, xsum, cs, out);
+    case 1: return rows_int16<1>(w, n, xq, xs, cs, out);
+    case 2: return rows_int16<2>(w, n, xq, xs, cs, out);
+    case 3: return rows_int16<3>(w, n, xq, xs, cs, out);
+    case 4: return rows_int16<4>(w, n, xq, xs, cs, out);
+    case 5: return rows_int16<5>(w, n, xq, xs, cs, out);
+    case 6: return rows_int16<6>(w, n, xq, xs, cs, out);
+    case 7: return rows_int16<7>(w, n, xq, xs, cs, out);
+    default: return rows_int16<8>(w, n, xq, xs, cs, out);
   }
 }
 
-template <bool kInt4, typename X>
-inline void gemm_int16_rows(const QWeight& w, int64_t M, const int16_t* xq, const float* xs,
-                            const float* xsum, const float* bias, X* y) {
+// x [M, K] bf16 or fp16, M <= kInt16Rows, K multiple of 32 (int16_fits), against int8
+// weights -> y [M, N] in x's dtype, rounded once from the float32 sums.
+template <typename X>
+inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  const int64_t K = w.K, runs = K / kRun;
+  // Scratch kept between calls (a decode step makes hundreds of these calls).
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(M * K);
+  xs.resize(M * runs);
+  quantize_runs_int16(x, M, K, xq.data(), xs.data(), nullptr);
+  // Pointers, not the thread_local vectors: inside the lambda those names would be the
+  // worker thread's own (empty) vectors.
+  const int16_t* xqp = xq.data();
+  const float* xsp = xs.data();
   at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
     float out[kInt16Rows];
     thread_local std::vector<float> cs;
-    cs.resize(kInt16Rows * (w.K / kRun));
+    cs.resize(kInt16Rows * runs);
     for (int64_t n = begin; n < end; ++n) {
-      rows_int16_any<kInt4>(M, w, n, xq, xs, xsum, cs.data(), out);
+      rows_int16_any(M, w, n, xqp, xsp, cs.data(), out);
       for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = static_cast<X>(out[m] + (bias ? bias[n] : 0.f));
     }
   });
-}
-
-// x [M, K] bf16 or fp16, M <= kInt16Rows, K and the group size multiples of 32 (int16_fits)
-// -> y [M, N] in x's dtype, rounded once from the float32 sums.
-template <typename X>
-inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
-  const int64_t K = w.K, runs = K / kRun, groups = w.groups, per_group = w.group / kRun;
-  // Scratch kept between calls (a decode step makes hundreds of these calls).
-  thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> xs, rsum, xsum;
-  xq.resize(M * K);
-  xs.resize(M * runs);
-  rsum.resize(w.int4 ? M * runs : 0);
-  quantize_runs_int16(x, M, K, xq.data(), xs.data(), w.int4 ? rsum.data() : nullptr);
-  if (w.int4) {
-    xsum.assign(M * groups, 0.f);  // groups hold whole runs
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t r = 0; r < runs; ++r) xsum[m * groups + r / per_group] += rsum[m * runs + r];
-    gemm_int16_rows<true>(w, M, xq.data(), xs.data(), xsum.data(), bias, y);
-  } else {
-    gemm_int16_rows<false>(w, M, xq.data(), xs.data(), xsum.data(), bias, y);
-  }
 }
 
 inline bool int16_fits(const QWeight& w, int64_t M) {

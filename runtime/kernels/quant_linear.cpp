@@ -26,7 +26,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "quant_int16.h"
+#include "quant_int4_pairs.h"
 #include "quant_panel.h"
 #include "quant_weight.h"
 #include "tile_gemm.h"
@@ -229,19 +229,26 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
               "inputs must be bfloat16, float16 or float32");
   auto out_shape = x.sizes().vec();
   out_shape.back() = w.N;
-  auto xc = x.reshape({M, w.K}).contiguous();
   at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (dt != at::kFloat && int16_fits(w, M)) {  // 16-bit inputs, decode rows: integer dots
-    at::Tensor y16 = at::empty({M, w.N}, x.options());
-    if (dt == at::kBFloat16)
+    // Raw pointers of x and of y made in its final shape: a decode step makes ~150 of these
+    // calls, and a reshape and a view each would be two more dispatcher round trips.
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    at::Tensor y16 = at::empty(out_shape, x.options());
+    if (dt == at::kBFloat16 && w.int4)
+      gemm_int4_pairs(w, xc.data_ptr<at::BFloat16>(), bp, y16.data_ptr<at::BFloat16>(), M);
+    else if (dt == at::kBFloat16)
       gemm_int16(w, xc.data_ptr<at::BFloat16>(), bp, y16.data_ptr<at::BFloat16>(), M);
+    else if (w.int4)
+      gemm_int4_pairs(w, xc.data_ptr<at::Half>(), bp, y16.data_ptr<at::Half>(), M);
     else
       gemm_int16(w, xc.data_ptr<at::Half>(), bp, y16.data_ptr<at::Half>(), M);
-    return y16.view(out_shape);
+    return y16;
   }
 #endif
+  auto xc = x.reshape({M, w.K}).contiguous();
   auto y = at::empty({M, w.N}, x.options().dtype(at::kFloat));
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (M > kFewRows && panel_fits(w)) {  // batches: panels dequantized once per call
