@@ -1,16 +1,16 @@
 // Integer dot products for quantized weights and 16-bit inputs (bf16, fp16) on AVX2 targets,
-// decode steps of up to kInt16Rows rows (quant_linear.cpp's layout notes; larger batches
+// decode steps of up to kInt16MaxRows rows (quant_linear.cpp's layout notes; larger batches
 // take the dequantized panels of quant_panel.h).
 //
 // x is requantized to int16 per run of 32 (one scale a run, its absmax / 32767); each run of
 // 32 weights is widened to int16 once (int8: sign extension; int4: the nibbles, two runs at
-// a time in quant_int4_pairs.h) and
-// `vpmaddwd`-ed against up to 8 input rows while it is in registers; one float FMA a run
-// and a row scales the integer sum by the run's combined scale (weight group scale x input
-// run scale, made first, 8 at a time for groups of 32, so that the run loop only
-// broadcasts a float). The float path (quant_weight.h) converts every weight to float32
-// and spends a scalar fp16 scale and a horizontal step per group: for GGUF's groups of 32
-// it ran at a third of the memory's rate (int8 Q8_0 engine: 19.6 ms of linear_int8 a step).
+// a time in quant_int4_pairs.h) and `vpmaddwd`-ed against up to 8 input rows while it is in
+// registers (more rows: passes of 8); one float FMA a run and a row scales the integer sum
+// by the run's combined scale (weight group scale x input run scale, made first, 8 at a
+// time for groups of 32, so that the run loop only broadcasts a float). The float path
+// (quant_weight.h) converts every weight to float32 and spends a scalar fp16 scale and a
+// horizontal step per group: for GGUF's groups of 32 it ran at a third of the memory's
+// rate (int8 Q8_0 engine: 19.6 ms of linear_int8 a step).
 //
 // The error this adds, at most 2^-16 of a run's largest |x|, is 128x below the rounding the
 // 16-bit input already carries (2^-9 for bf16), so float32 inputs, which would notice it,
@@ -23,11 +23,16 @@
 namespace aotllm {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// At most this many input rows a call, all in one pass over a weight row (accumulators in
-// registers). Measured (SmolLM2's 30 layers, 2 threads, interleaved): up to 8 rows this
-// path beats the dequantized panels (5 rows: 15-22 ms against 31-41, 8 rows: 22-38 against
-// 44-60); at 16 rows the two were level.
+// Input rows a pass over a weight row (their accumulators stay in registers). Measured
+// (SmolLM2's 30 layers, 2 threads, interleaved): up to 8 rows one pass beats the
+// dequantized panels (5 rows: 15-22 ms against 31-41, 8 rows: 22-38 against 44-60).
 constexpr int64_t kInt16Rows = 8;
+// Input rows a call at most, in passes of kInt16Rows over each weight row while it is in L1
+// (the weights are read from memory once). Measured (engine decode steps, ms, interleaved):
+// Q4_0 batch 16 110-117 with panels -> 71-91, batch 12 91-94 -> 63-79; Q8_0 batch 16
+// 111-129 -> 102-114, batch 12 94-121 -> 78-91. At 24 rows the two were level, from 32
+// the panels win (int4, 30 layers: 32 rows 86-118 ms against 111-143).
+constexpr int64_t kInt16MaxRows = 16;
 
 // Eight values of x as float32, from the 16-bit storage the inputs come in (no float32 copy
 // of x per call: at one row that copy and its allocation cost as much as a small linear).
@@ -164,7 +169,7 @@ inline void rows_int16_any(int64_t mr, const QWeight& w, int64_t n, const int16_
   }
 }
 
-// x [M, K] bf16 or fp16, M <= kInt16Rows, K multiple of 32 (int16_fits), against int8
+// x [M, K] bf16 or fp16, M <= kInt16MaxRows, K multiple of 32 (int16_fits), against int8
 // weights -> y [M, N] in x's dtype, rounded once from the float32 sums.
 template <typename X>
 inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
@@ -180,18 +185,22 @@ inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, in
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
   at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
-    float out[kInt16Rows];
+    float out[kInt16MaxRows];
     thread_local std::vector<float> cs;
     cs.resize(kInt16Rows * runs);
     for (int64_t n = begin; n < end; ++n) {
-      rows_int16_any(M, w, n, xqp, xsp, cs.data(), out);
+      // kInt16Rows input rows a pass (accumulators in registers); the weight row is in L1
+      // for the next pass.
+      for (int64_t m0 = 0; m0 < M; m0 += kInt16Rows)
+        rows_int16_any(std::min(kInt16Rows, M - m0), w, n, xqp + m0 * K, xsp + m0 * runs,
+                       cs.data(), out + m0);
       for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = static_cast<X>(out[m] + (bias ? bias[n] : 0.f));
     }
   });
 }
 
 inline bool int16_fits(const QWeight& w, int64_t M) {
-  return M <= kInt16Rows && w.K % kRun == 0 && w.group % kRun == 0;
+  return M <= kInt16MaxRows && w.K % kRun == 0 && w.group % kRun == 0;
 }
 #endif
 

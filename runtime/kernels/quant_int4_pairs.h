@@ -106,9 +106,13 @@ inline void rows_int4_pairs(const QWeight& w, int64_t n, const PairX& x, float* 
   const int64_t K = w.K, runs = K / kRun, pairs = runs / 2, pg = w.group / kRun;
   const at::Half* sc = w.scales + n * w.groups;
   const uint8_t* q = w.q + n * (K / 2);
-  // Two accumulators a row: one FMA chain would wait on its latency every pair.
-  __m256 acc[2][MR];
-  for (int64_t m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  // With one or two input rows, one FMA chain a row would wait on its latency every pair:
+  // two accumulators a row then. More rows are chains enough, and AVX2's 16 registers
+  // would spill a second set.
+  constexpr int64_t U = MR <= 2 ? 2 : 1;
+  __m256 acc[U][MR];
+  for (int64_t u = 0; u < U; ++u)
+    for (int64_t m = 0; m < MR; ++m) acc[u][m] = _mm256_setzero_ps();
   auto bytes = [&](int64_t p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32));
   };
@@ -120,10 +124,10 @@ inline void rows_int4_pairs(const QWeight& w, int64_t n, const PairX& x, float* 
       const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 2 * p)));
       __m256i idx = i0;
       for (int64_t u = 0; u < 4; ++u, idx = _mm256_add_epi32(idx, two))
-        pair_dots<MR, kSym>(bytes(p + u), x, K, p + u, _mm256_permutevar8x32_ps(s8, idx), acc[u & 1]);
+        pair_dots<MR, kSym>(bytes(p + u), x, K, p + u, _mm256_permutevar8x32_ps(s8, idx), acc[u % U]);
     }
   }
-  for (; p < pairs; ++p) pair_dots<MR, kSym>(bytes(p), x, K, p, pair_scales(sc, p, pg), acc[p & 1]);
+  for (; p < pairs; ++p) pair_dots<MR, kSym>(bytes(p), x, K, p, pair_scales(sc, p, pg), acc[p % U]);
   if (runs % 2) {  // the odd run, widened as quant_int16.h does, in all 8 lanes
     __m256i v0, v1;
     run_int16<true>(w, n, runs - 1, v0, v1);
@@ -139,7 +143,7 @@ inline void rows_int4_pairs(const QWeight& w, int64_t n, const PairX& x, float* 
                                   sw, acc[0][m]);
     }
   }
-  for (int64_t m = 0; m < MR; ++m) out[m] = aotllm::vsum(_mm256_add_ps(acc[0][m], acc[1][m]));
+  for (int64_t m = 0; m < MR; ++m) out[m] = aotllm::vsum(U == 2 ? _mm256_add_ps(acc[0][m], acc[U - 1][m]) : acc[0][m]);
   if constexpr (!kSym) {  // stored mins: + sum_g min_g sum(x_g)
     const at::Half* mn = w.mins + n * w.groups;
     for (int64_t m = 0; m < MR; ++m) {
@@ -199,10 +203,18 @@ inline void gemm_int4_pairs(const QWeight& w, const X* x, const float* bias, X* 
   const PairX px{xp.data(), xs8.data(), sym ? corr.data() : nullptr, sym ? nullptr : xsum.data(),
                  slots};
   at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
-    float out[kInt16Rows];
+    float out[kInt16MaxRows];
     for (int64_t n = begin; n < end; ++n) {
-      if (sym) rows_int4_pairs_any<true>(M, w, n, px, out);
-      else rows_int4_pairs_any<false>(M, w, n, px, out);
+      // Eight input rows at most a pass (the accumulators stay in registers); the weight
+      // row is in L1 for the next eight.
+      for (int64_t m0 = 0; m0 < M; m0 += kInt16Rows) {
+        const int64_t at = m0 * slots * 8;
+        const PairX part{px.xp + m0 * K, px.xs + at, sym ? px.corr + at : nullptr,
+                         sym ? nullptr : px.xsum + m0 * groups, slots};
+        const int64_t mr = std::min(kInt16Rows, M - m0);
+        if (sym) rows_int4_pairs_any<true>(mr, w, n, part, out + m0);
+        else rows_int4_pairs_any<false>(mr, w, n, part, out + m0);
+      }
       for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = static_cast<X>(out[m] + (bias ? bias[n] : 0.f));
     }
   });

@@ -14,11 +14,11 @@
 // at::linear (oneDNN, AMX where present), whose GEMM reuses each weight across the rows.
 // Targets without a native bf16 dot product (AVX2, AVX-512F without BF16) take every M
 // through tile_gemm.h instead (a band of rows dequantized into an L1 buffer, reused by every
-// input row; oneDNN's bf16 GEMM is slow there), except on AVX2: 16-bit inputs of up to 8
+// input row; oneDNN's bf16 GEMM is slow there), except on AVX2: 16-bit inputs of up to 16
 // rows take integer dot products against x requantized to int16 per run of 32
-// (quant_int16.h: an error 128x below the input's own bf16 rounding), and batches of more
-// than 4 rows panels of 16 weight rows dequantized once per call into the outer-product
-// kernel of linear_panel (quant_panel.h).
+// (quant_int16.h: an error 128x below the input's own bf16 rounding), and larger batches
+// (float32 inputs: more than 4 rows) panels of 16 weight rows dequantized once per call
+// into the outer-product kernel of linear_panel (quant_panel.h).
 //
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear.

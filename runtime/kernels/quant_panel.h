@@ -1,4 +1,4 @@
-// Quantized weights, batches (M > kInt16Rows input rows) on AVX2 targets: each panel of 16
+// Quantized weights, batches (M > kInt16MaxRows input rows) on AVX2 targets: each panel of 16
 // output rows of W is dequantized once per call into a float32 panel, K-major (8 x 8
 // transposes in registers), and multiplied into every input row by the outer-product
 // micro-kernel that linear_panel runs on panels stored at build time (panel_kernel.h).
@@ -8,7 +8,7 @@
 // dequantization (about one instruction a weight, plus a division per 8 weights until the
 // group was counted instead: 52-62 -> 31-41 ms for 5 rows) is shared by all M rows, and the
 // multiply runs at the bf16 panels' speed (16 rows, 30 layers: 70-87 ms, bf16 panels 72 ms
-// in the same noisy hour; the integer rows level with it at 16 rows, better up to 8).
+// in the same noisy hour; the integer rows, in passes of 8, are better up to 16 rows).
 //
 // Weights are used at their exact float32 values (q * scale (+ min)), as the integer path
 // does, not rounded through bf16 first as the eager reference does: within the tolerance

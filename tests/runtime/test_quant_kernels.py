@@ -43,8 +43,9 @@ def test_quantized_linear_matches_the_reference(lib: Path, spec: QuantSpec, dtyp
     p = qt.packed()
     w = dequantize_packed(p["qweight"], p["scales"], p.get("mins"), qt.group, dtype).float()
     b = torch.randn(n).to(dtype) if bias else None
-    # decode rows (weights streamed), batches of 5-8 (integer rows for 16-bit inputs on AVX2,
-    # dequantized panels for float32), 16 and prefill (panels; at K = 1536 in chunks of K)
+    # decode rows (weights streamed), batches of 5-16 (integer rows for 16-bit inputs on AVX2,
+    # in passes of 8; dequantized panels for float32), 17 and prefill (panels; at K = 1536 in
+    # chunks of K)
     for m in (1, 3, 5, 8, 16, 17, 64):
         x = torch.randn(m, k).to(dtype)
         got = _op(x, p, b, qt.group, spec.kind)
@@ -58,7 +59,7 @@ def test_quantized_linear_matches_the_reference(lib: Path, spec: QuantSpec, dtyp
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
 def test_decode_rows_of_16_bit_inputs_lose_nothing_but_the_output_rounding(
         lib: Path, spec: QuantSpec) -> None:
-    """Decode rows (M <= 8) of float16 inputs: on AVX2 x is requantized to int16 per run of
+    """Decode rows (M <= 16) of float16 inputs: on AVX2 x is requantized to int16 per run of
     32 for integer dot products (int8 and int4 weights). Its error must stay far below the float16 output's own
     rounding (2^-11 relative), with outliers in x (a few features 50x the rest, as LLM
     activations have) that stretch each run's scale."""
@@ -67,7 +68,7 @@ def test_decode_rows_of_16_bit_inputs_lose_nothing_but_the_output_rounding(
     qt = quantize(torch.randn(n, k) / k**0.5, spec)
     p = qt.packed()
     w = dequantize_packed(p["qweight"], p["scales"], p.get("mins"), qt.group, torch.float32)
-    for m in (1, 2, 4, 5, 8):
+    for m in (1, 2, 4, 5, 8, 9, 16):  # 9 and 16: a second pass of 8 rows over each weight row
         x = torch.randn(m, k)
         x[:, ::97] *= 50
         x = x.half()
