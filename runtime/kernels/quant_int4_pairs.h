@@ -49,8 +49,6 @@ inline void lay_out_pairs(const int16_t* xq, const float* xs, int64_t M, int64_t
     for (int64_t r = 0; r < runs; ++r) {
       const int16_t* v = x + r * kRun;
       const int64_t p = r / 2, lane = r % 2;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < kRun; ++j) sum += v[j];
       if (p < pairs) {
         int16_t* t = o + p * 64 + 8 * lane;
         for (int64_t j = 0; j < 8; ++j) {
@@ -65,6 +63,8 @@ inline void lay_out_pairs(const int16_t* xq, const float* xs, int64_t M, int64_t
         for (int64_t j = 0; j < 8; ++j) s[p * 8 + j] = xs[m * runs + r];
       }
       if (c) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kRun; ++j) sum += v[j];
         if (lane == 0) std::fill(c + p * 8, c + p * 8 + 8, 0);
         c[p * 8 + 4 * lane] = 8 * sum;
       }
@@ -78,6 +78,15 @@ inline __m256 pair_scales(const at::Half* sc, int64_t p, int64_t pg) {
                          _mm_set1_ps(half_to_float(sc[2 * p / pg])));
 }
 
+// Slot `at` of an input row's integer dot products d: the zero point off, scaled by the
+// input runs' and weight groups' scales into acc.
+template <bool kSym>
+inline __m256 accumulate(__m256i d, const PairX& x, int64_t at, __m256 sw, __m256 acc) {
+  if constexpr (kSym)
+    d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + at)));
+  return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(x.xs + at)), sw, acc);
+}
+
 // Pair p of one weight row (its 32 bytes in b) against MR input rows.
 template <int64_t MR, bool kSym>
 inline void pair_dots(__m256i b, const PairX& x, int64_t K, int64_t p, __m256 sw, __m256* acc) {
@@ -88,16 +97,12 @@ inline void pair_dots(__m256i b, const PairX& x, int64_t K, int64_t p, __m256 sw
   const __m256i v3 = _mm256_srli_epi16(b, 12);
   for (int64_t m = 0; m < MR; ++m) {
     const auto* xr = reinterpret_cast<const __m256i*>(x.xp + m * K + p * 64);
-    __m256i d = _mm256_add_epi32(
+    const __m256i d = _mm256_add_epi32(
         _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
                          _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1))),
         _mm256_add_epi32(_mm256_madd_epi16(v2, _mm256_loadu_si256(xr + 2)),
                          _mm256_madd_epi16(v3, _mm256_loadu_si256(xr + 3))));
-    const int64_t at = (m * x.slots + p) * 8;
-    if constexpr (kSym)
-      d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + at)));
-    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(x.xs + at)),
-                             sw, acc[m]);
+    acc[m] = accumulate<kSym>(d, x, (m * x.slots + p) * 8, sw, acc[m]);
   }
 }
 
@@ -135,13 +140,9 @@ inline void rows_int4_pairs(const QWeight& w, int64_t n, const PairX& x, float* 
     const __m256 sw = _mm256_set1_ps(half_to_float(sc[(runs - 1) / pg]));
     for (int64_t m = 0; m < MR; ++m) {
       const auto* xr = reinterpret_cast<const __m256i*>(x.xp + m * K + pairs * 64);
-      __m256i d = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
-                                   _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1)));
-      const int64_t at = (m * x.slots + pairs) * 8;
-      if constexpr (kSym)
-        d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + at)));
-      acc[0][m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(x.xs + at)),
-                                  sw, acc[0][m]);
+      const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xr)),
+                                         _mm256_madd_epi16(v1, _mm256_loadu_si256(xr + 1)));
+      acc[0][m] = accumulate<kSym>(d, x, (m * x.slots + pairs) * 8, sw, acc[0][m]);
     }
   }
   for (int64_t m = 0; m < MR; ++m) out[m] = aotllm::vsum(U == 2 ? _mm256_add_ps(acc[0][m], acc[U - 1][m]) : acc[0][m]);
