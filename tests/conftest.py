@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from runtime.mpi import child_env, mpirun_argv
+from runtime.mpi import child_env, mpi_session, mpirun_argv
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def mpirun_cmd(n: int) -> list[str]:
-    return mpirun_argv(n)
-
-
 def subprocess_env() -> dict[str, str]:
     return child_env()
+
+
+def run_mpirun(n: int, args: list[str], env: dict[str, str] | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`mpirun -n n *args` to its end (output captured), with a session directory of its own
+    as every launcher of the project gives it (runtime.mpi.mpi_session)."""
+    with mpi_session(env or subprocess_env()) as e:
+        return subprocess.run([*mpirun_argv(n), *args], cwd=REPO, env=e, capture_output=True,
+                              text=True, timeout=timeout)
 
 
 def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overrides: object) -> Path:

@@ -164,7 +164,7 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     one MPI rank per engine rank) and record the golden prompt's greedy tokens. Token ids
     only: a TensorRT engine returns no logits unless built to gather them."""
     from runtime.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
-    from runtime.mpi import child_env, mpirun_argv
+    from runtime.mpi import child_env, mpi_session, mpirun_argv
 
     prompt = golden_prompt_ids(engine_dir, load_model_config(engine_dir).vocab_size)[:64]
     io = engine_dir / ".golden.json"  # removed before the engine's files are hashed
@@ -173,7 +173,8 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     if tp > 1:
         cmd = [*mpirun_argv(tp), *cmd]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+        with mpi_session(child_env()) as env:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         tokens = json.loads(io.read_text()).get("tokens")
         if proc.returncode != 0 or tokens is None:
             tail = " ".join((proc.stderr or proc.stdout).strip().split())[-1500:]

@@ -25,7 +25,8 @@ from typing import Any
 import openai
 
 from bench.job import alive, cmdline
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from runtime.mpi import mpi_session, mpirun_argv
+from tests.conftest import REPO, subprocess_env
 
 HOST = "127.0.0.1"
 
@@ -119,6 +120,8 @@ class Server:
     err_path: Path
     launched_at: float
     history: list[Probe] = field(default_factory=list)
+    # mpirun's session directory (runtime.mpi.mpi_session) when the harness started mpirun.
+    session: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
     def base_url(self) -> str:
@@ -219,6 +222,7 @@ class Server:
         deadline = time.monotonic() + 10
         while any(alive(p) for p in ours) and time.monotonic() < deadline:
             time.sleep(0.05)
+        self.session.close()
 
 
 def launch(engine: Path | str, workdir: Path, n: int = 2, args: tuple[str, ...] = (),
@@ -231,14 +235,16 @@ def launch(engine: Path | str, workdir: Path, n: int = 2, args: tuple[str, ...] 
     port = free_port()
     run_dir = workdir / "run"
     out_path, err_path = workdir / "stdout.log", workdir / "stderr.log"
-    head = [*mpirun_cmd(n)] if prefix is None else list(prefix)
+    head = [*mpirun_argv(n)] if prefix is None else list(prefix)
     cmd = [*head, sys.executable, "-m", "serve", "launch", "--engine", str(engine),
            "--host", HOST, "--port", str(port), "--run-dir", str(run_dir), *args]
+    session, child_env = contextlib.ExitStack(), {**subprocess_env(), **(env or {})}
+    if prefix is None:  # else our launcher starts mpirun, in a session directory of its own
+        child_env = session.enter_context(mpi_session(child_env))
     with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **(env or {})},
-                                stdout=out, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Server(proc, port, run_dir, out_path, err_path, time.monotonic())
+    return Server(proc, port, run_dir, out_path, err_path, time.monotonic(), session=session)
 
 
 def run_to_exit(engine: Path | str, workdir: Path, n: int, timeout: float = 120.0,
@@ -247,6 +253,7 @@ def run_to_exit(engine: Path | str, workdir: Path, n: int, timeout: float = 120.
     server = launch(engine, workdir, n, env=env)
     try:
         rc = server.proc.wait(timeout)
+        server.session.close()
     except subprocess.TimeoutExpired:
         server.close()
         raise AssertionError(f"the launch did not exit within {timeout} s\n"

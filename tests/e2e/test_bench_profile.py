@@ -4,19 +4,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.conftest import run_mpirun
 
 
 def test_profile_reports_every_stage_of_a_step(engine_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [*mpirun_cmd(2), sys.executable, "-m", "bench.profile", "--engine", str(engine_dir),
-         "--batches", "1", "2", "--context", "8", "--steps", "3", "--out", str(out)],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = run_mpirun(2, [sys.executable, "-m", "bench.profile", "--engine", str(engine_dir),
+                          "--batches", "1", "2", "--context", "8", "--steps", "3",
+                          "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["tp"] == 2 and set(report["batches"]) == {"1", "2"}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.host import host_cpu_target
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 
@@ -45,8 +44,7 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
     assert read_manifest(aoti).weight_layout == weight_layout_for("aoti", "cpu", host.isa)
     assert read_manifest(eager).weight_layout == "rows"
     out = tmp_path / "logits.json"
-    cmd = [*mpirun_cmd(2), sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti), str(eager)]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti), str(eager)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     la, le = (torch.tensor(result[str(p)]["logits"]) for p in (aoti, eager))

@@ -3,10 +3,9 @@ released a tensor during interpreter finalization and aborted about one exit in 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.conftest import run_mpirun
 
 RUNS = 12  # at the measured 1-in-5 abort rate, 12 clean runs by chance: 7%
 
@@ -14,9 +13,7 @@ RUNS = 12  # at the measured 1-in-5 abort rate, 12 clean runs by chance: 7%
 def test_collectives_then_exit_never_aborts() -> None:
     failures = []
     for i in range(RUNS):
-        cmd = [*mpirun_cmd(2), sys.executable, "-m", "tests.runtime.mpi_exit_worker"]
-        proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True,
-                              text=True, timeout=120)
+        proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_exit_worker"], timeout=120)
         out = proc.stdout + proc.stderr
         if proc.returncode != 0 or "Aborted" in out or "terminate called" in out:
             failures.append(f"run {i}: exit {proc.returncode}: {out[-600:]}")

@@ -14,7 +14,6 @@ tests/unit/test_quant.py's).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from runtime.models.parallel import TPContext
 from runtime.models.sharding import rules_for
 from runtime.quant import quantize
 from runtime.runner import ModelRunner
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 
@@ -101,10 +100,8 @@ def _dequantized_checkpoint(model: Path, quant: Quantization, out: Path) -> Path
 
 def _logits(engines: dict[str, Path], names: list[str], tp: int, tmp: Path) -> dict[str, torch.Tensor]:
     out = tmp / f"logits-{tp}.json"
-    cmd = [*mpirun_cmd(tp), sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out),
-           *(str(engines[n]) for n in names)]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_mpirun(tp, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out),
+                           *(str(engines[n]) for n in names)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     return {n: torch.tensor(result[str(engines[n])]["logits"]) for n in names}

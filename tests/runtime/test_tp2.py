@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, mpirun_cmd, subprocess_env
+from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 from tests.runtime.mpi_worker import PROMPTS
 from tests.runtime.test_engine import staggered_workload
@@ -20,8 +19,7 @@ from tests.runtime.test_engine import staggered_workload
 def tp2_result(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("tp2") / "result.json"
     specs = [f"{k}={p}" for k, p in tiny_models.items()]
-    cmd = [*mpirun_cmd(2), sys.executable, "-m", "tests.runtime.mpi_worker", str(out), *specs]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_worker", str(out), *specs])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

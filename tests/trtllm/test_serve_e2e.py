@@ -5,6 +5,7 @@ and every startup refusal is one line per rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, mpirun_cmd
+from runtime.mpi import mpi_session, mpirun_argv
+from tests.conftest import REPO, run_mpirun
 from tests.trtllm.conftest import fake_env, free_port, no_fake_env
 
 _TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank (\d)\] \w+ (.*)$")
@@ -33,11 +35,12 @@ class Server:
         self.port = free_port()
         self.run_dir = tmp / "run"
         self.log_path = tmp / "serve.log"
-        cmd = [*mpirun_cmd(n), sys.executable, "-m", "serve", "launch", "--engine", str(engine),
+        cmd = [*mpirun_argv(n), sys.executable, "-m", "serve", "launch", "--engine", str(engine),
                "--port", str(self.port), "--run-dir", str(self.run_dir), *args]
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        self._session = contextlib.ExitStack()  # mpirun's session directory, while it runs
+        self.proc = subprocess.Popen(cmd, env=self._session.enter_context(mpi_session(env)),
+                                     cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
@@ -67,12 +70,14 @@ class Server:
             return self.proc.wait(timeout)
         finally:
             self._log.close()
+            self._session.close()
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
+        self._session.close()
 
     def metric(self, name: str) -> float:
         _, text = self.get("/metrics")
@@ -246,10 +251,9 @@ def test_rank_without_tensorrt_llm_stops_every_rank_before_any_import(
     app = [sys.executable, "-m", "serve", "launch", "--engine", str(engine_tp2), "--port",
            str(port), "--run-dir", str(tmp_path / "run")]
     # MPMD: rank 0 with the fake on PYTHONPATH, rank 1 without it.
-    cmd = [*mpirun_cmd(1), *app, ":", "-n", "1", "env",
-           f"PYTHONPATH={no_fake_env()['PYTHONPATH']}", *app]
+    args = [*app, ":", "-n", "1", "env", f"PYTHONPATH={no_fake_env()['PYTHONPATH']}", *app]
     t0 = time.monotonic()
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = run_mpirun(1, args, env=env, timeout=120)
     log = done.stdout + done.stderr
     assert done.returncode != 0 and "Traceback" not in log, log
     assert time.monotonic() - t0 < 60, log
