@@ -7,7 +7,9 @@ time of all 30 layers' four linears (qkv, o, gate_up, down; 3.5 M weights a laye
 bf16 at::linear (oneDNN), our bf16 GEMV (aotllm::linear), torch's CPU int8 kernel
 (aten._weight_int8pack_mm, per channel), torch's CPU int4 kernel
 (aten._weight_int4pack_mm_for_cpu, groups of --group, 64 by default: it needs K % G == 0), and ours
-(aotllm::linear_int8 / linear_int4). GB/s counts the weight bytes each reads once.
+(aotllm::linear_int8 / linear_int4 on layout-1 rows; linear_qpanel on the pair panels of
+the "panels16q" layout; bf16 aotllm::linear_panel on panels16). GB/s counts the weight
+bytes each reads once.
 Interleaved repeats, best of each: other work on these 2 cores only ever slows a run down.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from contract.quant import QuantSpec
+from runtime.models.panels import pack_panels, pack_qpanels
 from runtime.quant import quantize
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K): qkv, o, gate_up, down
@@ -49,7 +52,10 @@ def _layers(group: int) -> list[dict[str, object]]:
             # with w = (q - 8) * scale + zero.
             packed = torch._convert_weight_to_int4pack_for_cpu(i4.q.to(torch.int32), 1)
             sz = torch.stack((i4.scales.float().T, torch.zeros_like(i4.scales.float().T)), -1)
+            pairs = {name: dict(zip(("qweight", "scales"), pack_qpanels(
+                p["qweight"], p["scales"], None)[:2])) for name, p in (("i8p", i8), ("i4p", p4))}
             out.append({
+                **pairs, "bf16p": pack_panels(w.to(torch.bfloat16)),
                 "n": n, "k": k, "bf16": w.to(torch.bfloat16), "i8": i8,
                 "i8_scale_bf16": i8["scales"].reshape(-1).to(torch.bfloat16), "i4": p4,
                 "tq": packed, "tsz": sz.to(torch.bfloat16).contiguous(),
@@ -62,15 +68,22 @@ def _variants(group: int) -> dict[str, tuple[Callable[[torch.Tensor, dict], torc
     return {
         "bf16 at::linear": (lambda x, L: torch.nn.functional.linear(x, L["bf16"]), "bf16"),
         "bf16 aotllm::linear": (lambda x, L: ops.linear(x, L["bf16"], None), "bf16"),
+        "bf16 aotllm::linear_panel": (lambda x, L: ops.linear_panel(x, L["bf16p"], None), "bf16"),
         "int8 aten._weight_int8pack_mm": (
             lambda x, L: torch._weight_int8pack_mm(x, L["i8"]["qweight"], L["i8_scale_bf16"]), "i8"),
         "int8 aotllm::linear_int8": (
             lambda x, L: ops.linear_int8(x, L["i8"]["qweight"], L["i8"]["scales"], None, L["k"]), "i8"),
+        "int8 aotllm::linear_qpanel": (
+            lambda x, L: ops.linear_qpanel(x, L["i8p"]["qweight"], L["i8p"]["scales"], None, None,
+                                           L["k"]), "i8p"),
         f"int4 g{group} aten._weight_int4pack_mm_for_cpu": (
             lambda x, L: torch._weight_int4pack_mm_for_cpu(x, L["tq"], group, L["tsz"]), "i4"),
         f"int4 g{group} aotllm::linear_int4": (
             lambda x, L: ops.linear_int4(x, L["i4"]["qweight"], L["i4"]["scales"], None, None,
                                          group), "i4"),
+        f"int4 g{group} aotllm::linear_qpanel": (
+            lambda x, L: ops.linear_qpanel(x, L["i4p"]["qweight"], L["i4p"]["scales"], None, None,
+                                           group), "i4p"),
     }
 
 

@@ -30,17 +30,25 @@ KERNELS_LIB = "kernels.so"
 # row-major [out, in] as in the checkpoint; "panels16" is panels of 16 output columns,
 # K-major (runtime/models/panels.py), the layout our outer-product kernel reads without a
 # transpose per call (runtime/kernels/panel_linear.cpp). Chosen at build time for the
-# target, like TensorRT's tactics, and recorded in the manifest.
-WEIGHT_LAYOUTS = ("rows", "panels16")
+# target, like TensorRT's tactics, and recorded in the manifest. "panels16q" is panels16
+# with the quantized linears of the decoder layers in pair panels as well (whole panels,
+# runs and groups of 32: runtime/models/panels.py pack_qpanels), the layout the integer
+# kernel of AVX2 targets reads (runtime/kernels/qpanel_linear.cpp); quantized weights of a
+# "panels16" engine stay row-major (contract/quant.py layout 1).
+WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q")
 PANEL_COLUMNS = 16
 # CPU ISA levels without a native bf16 dot product: there the panel kernel beats the
 # row-major paths (on avx512_bf16/amx targets vdpbf16ps and oneDNN keep row-major weights).
 _PANEL_ISAS = ("avx2", "avx512")
 
 
-def weight_layout_for(backend: str, device: str, isa: str | None) -> str:
-    """The layout a build writes: panels for aoti engines on those CPU targets."""
-    return "panels16" if backend == "aoti" and device == "cpu" and isa in _PANEL_ISAS else "rows"
+def weight_layout_for(backend: str, device: str, isa: str | None, quantized: bool = False) -> str:
+    """The layout a build writes: panels for aoti engines on those CPU targets, with the
+    quantized linears in pair panels too on AVX2 (the integer kernel's target) when
+    `quantized` (a quantized engine of 16-bit activations)."""
+    if backend != "aoti" or device != "cpu" or isa not in _PANEL_ISAS:
+        return "rows"
+    return "panels16q" if quantized and isa == "avx2" else "panels16"
 
 
 def rank_shard(rank: int) -> str:

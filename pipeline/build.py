@@ -174,7 +174,10 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
     with clock("digest"):
         digest = checkpoint_digest(src.local_dir, progress)
     toolchain = toolchain_versions(cfg.backend)
-    layout = weight_layout_for(cfg.backend, target.device, target.isa)
+    # Pair panels for quantized 16-bit models: their kernel takes 16-bit inputs (float32
+    # ones would be dequantized per call there; layout 1's rows keep a float32 path).
+    layout = weight_layout_for(cfg.backend, target.device, target.isa,
+                               quant.enabled and cfg.dtype in ("bfloat16", "float16"))
     inputs = engine_inputs(
         source_digest=digest,
         backend=cfg.backend,

@@ -14,8 +14,15 @@ from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
-from runtime.models.panels import pack_panels
-from runtime.models.sharding import QuantGetter, is_panel_weight, rules_for, shard_state_dict
+from runtime.models.panels import pack_panels, pack_qpanel_weight
+from runtime.models.sharding import (
+    QuantGetter,
+    is_panel_weight,
+    is_qpanel_weight,
+    quant_spec_for,
+    rules_for,
+    shard_state_dict,
+)
 from runtime.quant import QTensor, quantize
 
 
@@ -25,7 +32,8 @@ def convert_checkpoint(
     weight_layout: str = "rows",
 ) -> ModelConfig:
     """Write out_dir/rank{N}.safetensors for every rank and out_dir/config.json; with
-    `weight_layout` "panels16" the decoder layers' float linears are stored in panels."""
+    `weight_layout` "panels16" the decoder layers' float linears are stored in panels, with
+    "panels16q" their quantized linears in pair panels too (where their shapes allow)."""
     progress = progress or Progress.silent()
     cfg, hf_cfg = read_model_config(src)
     cfg.check_tp(tp)
@@ -40,12 +48,18 @@ def convert_checkpoint(
         return done[(name, spec)]
 
     panel_names = [r.name for r in rules_for(cfg) if is_panel_weight(r, cfg, quant, tp)]
+    qpanel_specs = {r.name.removesuffix(".weight"): quant_spec_for(r, cfg, quant)
+                    for r in rules_for(cfg) if is_qpanel_weight(r, cfg, quant)}
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
             shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)
-            if weight_layout == "panels16":
+            if weight_layout in ("panels16", "panels16q"):
                 for name in panel_names:
                     shard[name] = pack_panels(shard[name])
+            if weight_layout == "panels16q":
+                for name, spec in qpanel_specs.items():
+                    assert spec is not None
+                    pack_qpanel_weight(shard, name, spec)
             st.advance(len(rules_for(cfg)))
             save_file(shard, str(out_dir / rank_shard(rank)), metadata={"rank": str(rank), "tp": str(tp)})
             del shard

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from runtime.comm import Comm
 from runtime.grammar import GrammarState
@@ -47,6 +48,10 @@ class LLMEngine:
         self._unfinished = 0
         self._lock = threading.Lock()
         self._stats = ExecutorStats(kv_blocks_total=self.scheduler.block_manager.num_usable)
+        # Steps and their seconds, decode-only steps apart from those with prompt tokens:
+        # Δseconds / Δsteps between two scrapes is the step time the server sees.
+        self._step_time = {f"{kind}_{what}_total": 0.0 for kind in ("decode", "prefill")
+                           for what in ("steps", "step_seconds")}
 
     # ---- Executor interface (thread-safe) ---------------------------------------------
 
@@ -140,6 +145,7 @@ class LLMEngine:
             # A cancel or a rejection may just have emptied the batch: /metrics must see it.
             self._refresh_stats()
             return None
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.comm is not None:
             self.comm.send_plan(plan)
@@ -154,6 +160,9 @@ class LLMEngine:
                                                   logits)
         for seq in self.scheduler.update(plan, sampled, forks):
             self._emit(seq)
+        kind = "decode" if plan.num_tokens == len(plan.scheduled) else "prefill"
+        self._step_time[f"{kind}_steps_total"] += 1
+        self._step_time[f"{kind}_step_seconds_total"] += time.perf_counter() - t0
         self._refresh_stats()
         return plan
 
@@ -177,7 +186,8 @@ class LLMEngine:
                    "prefix_cache_queries_total": float(s.prefix_cache_queries_total),
                    "prompt_tokens_computed_total": float(s.prompt_tokens_computed_total),
                    "forked_sequences_total": float(s.forked_sequences_total),
-                   "kv_blocks_copied_total": float(s.kv_blocks_copied_total)},
+                   "kv_blocks_copied_total": float(s.kv_blocks_copied_total),
+                   **self._step_time},
         )
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:

@@ -236,7 +236,8 @@ def check_packable(t: QTensor, what: str) -> None:
                          "packed int4 weights need", "choose another --tp, or --quant int8_wo")
 
 
-def runs_here(quant: Quantization, backend: str, device: str, has_kernels: bool) -> tuple[bool, str]:
+def runs_here(quant: Quantization, backend: str, device: str, has_kernels: bool,
+              weight_layout: str = "rows") -> tuple[bool, str]:
     """Whether this runtime can run an engine quantized so (the serve `compatible` gate);
     (ok, evidence or reason). The CPU ISA the kernels were compiled for is checked with
     the engine's target (runtime/host.py)."""
@@ -249,5 +250,7 @@ def runs_here(quant: Quantization, backend: str, device: str, has_kernels: bool)
         if not has_kernels:
             return False, (f"the engine is quantized ({quant.describe()}) but carries no "
                            "kernels library for its quantized linears")
+        if weight_layout == "panels16q" and quant.linear:  # contract/layout.py
+            return True, f"{quant.describe()}; aotllm::linear_qpanel ({quant.linear.kind} pair panels)"
         return True, f"{quant.describe()}; aotllm::linear_{quant.linear.kind if quant.linear else ''}"
     return True, f"{quant.describe()}; dequantize + linear ({backend})"

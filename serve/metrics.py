@@ -110,6 +110,13 @@ class ServingMetrics:
                  "Sequences started from a sibling's prefill (n > 1, best_of)."),
                 ("kv_blocks_copied_total",
                  "KV blocks copied on write when a sequence forked."),
+                # TGI's batch_forward_duration{method=decode|prefill}, as sums: the mean step
+                # between two scrapes is the increase of the seconds over that of the steps.
+                ("decode_steps_total", "Engine steps that only decoded."),
+                ("decode_step_seconds_total",
+                 "Seconds in engine steps that only decoded (schedule to sampled tokens)."),
+                ("prefill_steps_total", "Engine steps with prompt tokens (decodes may join)."),
+                ("prefill_step_seconds_total", "Seconds in engine steps with prompt tokens."),
             )}
         # The executor keeps the preemption total; the counter follows it by increments.
         # The lock makes read-compare-increment atomic should two threads scrape at once.

@@ -75,6 +75,12 @@ def _register_fakes() -> None:
                      group_size: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @_fake("linear_qpanel")
+    def _linear_qpanel(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor | None, b: torch.Tensor | None,
+                       group_size: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
     @_fake("dequantize")
     def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                     k: int, group_size: int, bits: int, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 
 from contract.layout import PANEL_COLUMNS
 from contract.quant import QuantSpec
+from runtime.models.panels import qpanels_fit
 from runtime.models.parallel import TPContext
 from runtime.quant import dequantize_packed
 
@@ -27,8 +28,11 @@ class _Weight(nn.Module):
     def _init_weight(self, out: int, inp: int, dtype: torch.dtype, quant: QuantSpec | None,
                      panels: bool = False) -> None:
         self.quant = quant
-        # A float weight stored in panels of 16 columns (runtime/models/panels.py).
+        # A float weight stored in panels of 16 columns (runtime/models/panels.py); a
+        # quantized one, in pair panels where its shape fits them (panels.qpanels_fit).
         self.panels = panels and quant is None
+        self.qpanels = (panels and quant is not None
+                        and qpanels_fit(out, inp, quant.group_of(inp)))
         if quant is None:
             self.weight = _empty(out, inp, dtype=dtype)
             return
@@ -41,6 +45,9 @@ class _Weight(nn.Module):
     def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
         if self.quant is None:
             return linear(x, self.weight, b, tp, self.panels)
+        if self.qpanels:
+            return torch.ops.aotllm.linear_qpanel(x, self.qweight, self.scales, self.mins, b,
+                                                  self.group)
         return qlinear(x, self.qweight, self.scales, self.mins, b, self.group, tp)
 
 

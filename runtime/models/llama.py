@@ -92,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
     CPU; the library must be loaded, runtime/kernels); else tensor operations only.
     `quant`: the linears (and the LM head, with a tied embedding) hold quantized weights.
     `weight_layout`: how the decoder layers' float linear weights are stored
-    (contract/layout.py); "panels16" needs our kernels."""
+    (contract/layout.py); "panels16" and "panels16q" need our kernels."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
                  use_kernels: bool = False, quant: Quantization = NONE,
@@ -103,14 +103,17 @@ class LlamaForCausalLM(nn.Module):
         if weight_layout not in WEIGHT_LAYOUTS or (weight_layout != "rows" and not use_kernels):
             raise ValueError(f"weight layout {weight_layout!r} needs our kernels and one of "
                              f"{', '.join(WEIGHT_LAYOUTS)}")
-        panels = weight_layout == "panels16"
+        panels = weight_layout in ("panels16", "panels16q")
         head_panels = panels and head_in_panels(cfg, tp.size, quant)
+        # The decoder layers' linears: float ones in panels; quantized ones in pair panels
+        # with "panels16q" only ("panels16" engines keep them row-major).
+        layer_panels = panels if quant.linear is None else weight_layout == "panels16q"
         vocab_local = cfg.vocab_size // tp.size
         embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
                                                    embed_quant,
                                                    head_panels and cfg.tie_word_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, panels)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_panels)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be

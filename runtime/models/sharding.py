@@ -136,6 +136,13 @@ def is_panel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization, tp: 
             and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is None)
 
 
+def is_qpanel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> bool:
+    """A quantized linear of the decoder layers: the "panels16q" layout stores it in pair
+    panels when a rank's piece fits them (runtime/models/panels.py qpanels_fit)."""
+    return (rule.name.startswith("layers.") and rule.name.endswith(".weight")
+            and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is not None)
+
+
 def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
     """[start, end) of the (padded) KV heads rank `rank` holds."""
     _, hk = cfg.tp_heads(tp)

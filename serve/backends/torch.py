@@ -81,7 +81,8 @@ class TorchBackend(Backend):
                 f"the engine's kernels were compiled by torch {built_torch}, this host runs {torch.__version__}",
                 REBUILD,
             )
-        ok, quant = runs_here(m.quant, m.backend, m.target.device, self.files.listed(KERNELS_LIB))
+        ok, quant = runs_here(m.quant, m.backend, m.target.device, self.files.listed(KERNELS_LIB),
+                              m.weight_layout)
         if not ok:
             raise GateFailure("compatible", quant, REBUILD)
         if m.target.device == "cuda":

@@ -57,7 +57,8 @@ def test_a_served_int4_engine_generates_what_transformers_does_on_its_weights(
     assert "int4_wo: linears int4 group 32" in out, out
 
     gates = {g["name"]: g["evidence"] for g in int4_server.call("GET", "/v1/engine").json()["gates"]}
-    assert "aotllm::linear_int4" in str(gates["compatible"]["quant"]), gates["compatible"]
+    op = "linear_qpanel" if m.weight_layout == "panels16q" else "linear_int4"
+    assert f"aotllm::{op}" in str(gates["compatible"]["quant"]), gates["compatible"]
     assert "int4_wo" in gates["warmup"]["golden"], gates["warmup"]
 
     exact = _dequantized_checkpoint(served_checkpoint, m.quant, tmp_path / "deq")

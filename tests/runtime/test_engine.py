@@ -153,3 +153,23 @@ def test_a_request_refused_at_admission_is_rejected_and_others_run(tiny_models: 
     assert events[0].finish_reason == "rejected" and "max_seq_len" in (events[0].error or "")
     assert len(ok) == 3
     assert torch.is_grad_enabled()
+
+
+def test_step_time_totals_count_decode_and_prefill_steps_apart(tiny_models: dict[str, Path]) -> None:
+    """What /metrics mirrors as llmserve_{decode,prefill}_step[s|_seconds]_total."""
+    engine = make_engine(tiny_models["llama"], max_tokens=16)
+    events: list[TokenEvent] = []
+    # 40 prompt tokens at 16 a step: three steps with prompt tokens (the third samples the
+    # first token), then 5 decode-only steps for the other 5 tokens.
+    engine.add_request("r", list(range(1, 41)), SamplingParams(max_tokens=6, ignore_eos=True),
+                       events.append)
+    steps = []
+    while engine.num_unfinished():
+        plan = engine.step()
+        if plan is not None:
+            steps.append("decode" if plan.num_tokens == len(plan.scheduled) else "prefill")
+    extra = engine.stats().extra
+    assert sum(len(e.token_ids) for e in events) == 6
+    assert steps == ["prefill"] * 3 + ["decode"] * 5
+    assert (extra["prefill_steps_total"], extra["decode_steps_total"]) == (3.0, 5.0)
+    assert extra["prefill_step_seconds_total"] > 0 and extra["decode_step_seconds_total"] > 0

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from contract.layout import weight_layout_for
 from contract.manifest import read_manifest
 from contract.profile import BuildProfile
 from contract.quant import Quantization
@@ -28,6 +29,7 @@ from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.executors.torch import make_step_fn
 from runtime.golden import check_golden, run_golden
+from runtime.host import host_cpu_target
 from runtime.loader import load_shard
 from runtime.models.config import ModelConfig
 from runtime.models.parallel import TPContext
@@ -39,7 +41,9 @@ from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 
 PROFILE = BuildProfile(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=4)
-# name -> (backend, tp, --quant, --quant-group-size, --quant-lm-head)
+# name -> (backend, tp, --quant, --quant-group-size, --quant-lm-head[, --dtype]); float32
+# unless named: bf16 aoti engines on AVX2 hosts store their linears in pair panels
+# ("panels16q", runtime/kernels/qpanel_linear.cpp), float32 ones keep layout-1 rows.
 ENGINES = {
     "eager-int8-tp1": ("eager", 1, "int8_wo", None, "none"),
     "eager-int8-tp2": ("eager", 2, "int8_wo", None, "none"),
@@ -51,6 +55,10 @@ ENGINES = {
     "aoti-int4+8-tp1": ("aoti", 1, "int4_wo", 64, "int8_wo"),
     "eager-int8+4-tp2": ("eager", 2, "int8_wo", 32, "int4_wo"),
     "aoti-int8+4-tp2": ("aoti", 2, "int8_wo", 32, "int4_wo"),
+    "eager-bf16-int4+8-tp1": ("eager", 1, "int4_wo", 32, "int8_wo", "bfloat16"),
+    "aoti-bf16-int4+8-tp1": ("aoti", 1, "int4_wo", 32, "int8_wo", "bfloat16"),
+    "eager-bf16-int8-tp2": ("eager", 2, "int8_wo", 32, "none", "bfloat16"),
+    "aoti-bf16-int8-tp2": ("aoti", 2, "int8_wo", 32, "none", "bfloat16"),
 }
 # Logits of the float model vs the quantized one, relative to the largest logit, on this
 # random tiny model (its logits are small and its weights have no outliers to spare): int8
@@ -70,8 +78,9 @@ def model(tiny_models: dict[str, Path]) -> Path:
 def engines(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     store = tmp_path_factory.mktemp("qengines")
     out = {}
-    for name, (backend, tp, quant, group, head) in ENGINES.items():
-        cfg = BuildConfig(model=str(model), tp=tp, backend=backend, dtype="float32", target="cpu",
+    for name, (backend, tp, quant, group, head, *dtype) in ENGINES.items():
+        cfg = BuildConfig(model=str(model), tp=tp, backend=backend,
+                          dtype=dtype[0] if dtype else "float32", target="cpu",
                           profile=PROFILE, store=str(store), quant=quant, quant_group_size=group,
                           quant_lm_head=head)
         out[name] = build_engine(cfg).engine_dir
@@ -112,7 +121,8 @@ def test_quantized_engines_agree_with_each_other_and_with_transformers(
 ) -> None:
     logits = {}
     for tp in (1, 2):
-        logits.update(_logits(engines, [n for n, e in ENGINES.items() if e[1] == tp], tp, tmp_path))
+        logits.update(_logits(engines, [n for n, e in ENGINES.items() if e[1] == tp and not e[5:]],
+                              tp, tmp_path))
     # The scheme is in the manifest and the shards hold quantized tensors.
     m = read_manifest(engines["aoti-int4+8-tp1"])
     assert m.quant.linear.kind == "int4" and m.quant.lm_head.kind == "int8"
@@ -135,6 +145,30 @@ def test_quantized_engines_agree_with_each_other_and_with_transformers(
         bound = QUANT_ERROR_BOUND["int4_wo" if "int4" in kinds else "int8_wo"]
         assert 0 < worst < bound, (name, worst)
         print(f"{name}: logits within {worst:.2%} of the float model's")
+
+
+def test_bf16_engines_read_pair_panels_as_the_reference_reads_rows(
+    engines: dict[str, Path], tmp_path: Path
+) -> None:
+    """The compiled bf16 engines against the eager ones (layout-1 rows, W dequantized, cast
+    to bf16, F.linear): the kernel keeps W's exact float values and x's requantized to int16,
+    so the two differ by bf16 roundings, not by a misread weight."""
+    logits = {}
+    for tp in (1, 2):
+        logits.update(_logits(engines, [n for n, e in ENGINES.items() if e[1] == tp and e[5:]],
+                              tp, tmp_path))
+    want = weight_layout_for("aoti", "cpu", host_cpu_target().isa, quantized=True)
+    for name in ("aoti-bf16-int4+8-tp1", "aoti-bf16-int8-tp2"):
+        assert read_manifest(engines[name]).weight_layout == want, name
+    rows = load_file(str(engines["eager-bf16-int8-tp2"] / "rank1.safetensors"))
+    ours = load_file(str(engines["aoti-bf16-int8-tp2"] / "rank1.safetensors"))
+    name = "layers.0.mlp.down_proj.qweight"
+    assert torch.equal(ours[name], rows[name]) == (want != "panels16q")
+    for a, b in (("aoti-bf16-int4+8-tp1", "eager-bf16-int4+8-tp1"),
+                 ("aoti-bf16-int8-tp2", "eager-bf16-int8-tp2")):
+        err = rel_err(logits[a], logits[b])
+        assert err < 2e-2, (a, b, err)
+        print(f"{a}: within {err:.2%} of {b}")
 
 
 def _observe(engine: Path, rec: dict, weights_hook=None) -> list:

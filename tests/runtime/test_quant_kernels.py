@@ -116,6 +116,8 @@ def test_the_compatible_gate_says_what_runs_a_quantized_engine() -> None:
     assert runs_here(NONE, "aoti", "cpu", False) == (True, "none")
     ok, why = runs_here(q, "aoti", "cpu", True)
     assert ok and "aotllm::linear_int4" in why
+    ok, why = runs_here(q, "aoti", "cpu", True, "panels16q")
+    assert ok and "aotllm::linear_qpanel (int4 pair panels)" in why
     ok, why = runs_here(q, "aoti", "cpu", False)
     assert not ok and "no kernels library" in why
     ok, why = runs_here(Quantization("fp8"), "eager", "cpu", False)

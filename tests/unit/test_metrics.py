@@ -109,6 +109,14 @@ EXPECTED = {
         ("counter", "Sequences started from a sibling's prefill (n > 1, best_of).", ()),
     "llmserve_kv_blocks_copied_total":
         ("counter", "KV blocks copied on write when a sequence forked.", ()),
+    "llmserve_decode_steps_total": ("counter", "Engine steps that only decoded.", ()),
+    "llmserve_decode_step_seconds_total":
+        ("counter", "Seconds in engine steps that only decoded (schedule to sampled tokens).",
+         ()),
+    "llmserve_prefill_steps_total":
+        ("counter", "Engine steps with prompt tokens (decodes may join).", ()),
+    "llmserve_prefill_step_seconds_total":
+        ("counter", "Seconds in engine steps with prompt tokens.", ()),
 }
 
 

@@ -1,0 +1,229 @@
+// y = x W^T (+ b) with W quantized and stored at build time in pair panels: the "panels16q"
+// layout of AVX2 targets (contract/layout.py; runtime/models/panels.py pack_qpanels writes
+// it). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
+// k: one 32-byte row (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
+//
+// Why: with the row-major weights of layout 1 (quant_int16.h), every run of 32 weights is
+// dotted with an input row and its integer sum scaled on its own: two loads of x, two
+// `vpmaddwd`, an add, a conversion and an FMA per run and row, 4 products an instruction,
+// and the weights widened again for every pass of 8 rows. Here a pair of x's int16 values
+// is broadcast once (one `vpbroadcastd`) and multiplied into 16 columns by two `vpmaddwd`
+// of weights widened once for up to kRowsQ rows; the sums are scaled once per run for 16
+// columns. Measured (SmolLM2's 30 layers of linears, 2 threads, Zen 3, interleaved, ms):
+//            1 row   4 rows   8 rows   16 rows   143 rows
+//   int8 rows 10.5    16.6     35.5     68.6      339      (quant_int16.h, quant_panel.h)
+//   int8 here  8.7    10.7     17.3     28.9      209
+//   int4 rows  8.2    17.2     29.0     58.9      271      (quant_int4_pairs.h)
+//   int4 here  6.5    12.0     19.7     34.0      260
+//   bf16 panels 17.3  18.3     27.5     46.4      281      (panel_linear.cpp)
+//
+// x is requantized to int16 per run of 32 as on the row path (quant_int16.h: an error 128x
+// below the input's own bf16 rounding); float32 inputs, which would notice it, and targets
+// without AVX2 take the weights dequantized to float32 and at::linear (correct, not fast:
+// builds choose this layout for AVX2 targets only, where 16-bit models run the fast path).
+//
+// int4 zero points: symmetric (no mins) subtracts 8 from the widened weights; with mins
+// (Q4_1), each run adds min x (the run's sum of x), the float term of W = q * s + min.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "quant_int16.h"
+#include "quant_weight.h"
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using namespace aotllm;  // NOLINT: QWeight, half_to_float, quantize_runs_int16
+
+constexpr int64_t kCols = 16;  // contract/layout.py PANEL_COLUMNS
+
+// W[n, k] as float32, read through the pair-panel layout (the portable path, and tests).
+float value_at(const QWeight& w, int64_t n, int64_t k) {
+  const int64_t p = n / kCols, j = n % kCols, g = k / w.group;
+  const int64_t gi = p * kCols * w.groups + g * kCols + j;  // scales, mins in panels too
+  const float s = half_to_float(w.scales[gi]);
+  const int64_t e = 2 * j + k % 2;  // the value's place among the 32 of its pair of k
+  const int64_t pair = p * (w.K / 2) + k / 2;
+  if (!w.int4) return s * static_cast<float>(reinterpret_cast<const int8_t*>(w.q)[pair * 32 + e]);
+  const uint8_t byte = w.q[pair * 16 + e % 16];
+  const float v = static_cast<float>(e < 16 ? (byte & 15) : (byte >> 4));
+  return v * s + (w.mins ? half_to_float(w.mins[gi]) : -8.f * s);
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int64_t kRowsQ = 3;  // 3 rows: 6 int32 + 6 float accumulators, 2 weights, 1 x
+
+// Pair t of panel `wp` as int16: lo = columns 0..7 (each k, k+1), hi = columns 8..15.
+template <bool kInt4, bool kSym>
+inline void pair_int16(const uint8_t* wp, int64_t t, __m256i& lo, __m256i& hi) {
+  if constexpr (kInt4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 16));
+    const __m128i m4 = _mm_set1_epi8(15);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m4));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m4));
+    if constexpr (kSym) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+    }
+  } else {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32 + 16)));
+  }
+}
+
+// out[m][16] = rows m of x (int16 xq [MR, K], run scales xs and sums xsum [MR, runs])
+// against panel p of w.
+template <int64_t MR, bool kInt4, bool kSym>
+inline void panel_pass(const QWeight& w, int64_t p, const int16_t* xq, const float* xs,
+                       const float* xsum, float* out) {
+  const int64_t K = w.K, runs = K / kRun, per_group = w.group / kRun;
+  const uint8_t* wp = w.q + p * kCols * (kInt4 ? K / 2 : K);
+  const at::Half* sp = w.scales + p * kCols * w.groups;
+  const at::Half* mp = w.mins ? w.mins + p * kCols * w.groups : nullptr;
+  __m256 f0[MR], f1[MR];
+  for (int64_t m = 0; m < MR; ++m) f0[m] = f1[m] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    __m256i a0[MR], a1[MR];
+    for (int64_t m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
+    const uint8_t* wr = wp + r * (kInt4 ? kRun * kCols / 2 : kRun * kCols);
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < kRun / 2; ++t) {
+      __m256i lo, hi;
+      pair_int16<kInt4, kSym>(wr, t, lo, hi);
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256i xb = _mm256_set1_epi32(
+            *reinterpret_cast<const int32_t*>(xq + m * K + r * kRun + 2 * t));
+        a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(lo, xb));
+        a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(hi, xb));
+      }
+    }
+    const int64_t g = r / per_group;
+    const auto* sg = reinterpret_cast<const __m128i*>(sp + g * kCols);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sg)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sg + 1));
+    for (int64_t m = 0; m < MR; ++m) {
+      const __m256 xsb = _mm256_broadcast_ss(xs + m * runs + r);
+      f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(s0, xsb), f0[m]);
+      f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(s1, xsb), f1[m]);
+    }
+    if (mp) {  // + min x (sum of the run's x), in float as the reference
+      const auto* mg = reinterpret_cast<const __m128i*>(mp + g * kCols);
+      const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(mg)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(mg + 1));
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256 sb = _mm256_broadcast_ss(xsum + m * runs + r);
+        f0[m] = _mm256_fmadd_ps(m0, sb, f0[m]);
+        f1[m] = _mm256_fmadd_ps(m1, sb, f1[m]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(out + m * kCols, f0[m]);
+    _mm256_storeu_ps(out + m * kCols + 8, f1[m]);
+  }
+}
+
+template <bool kInt4, bool kSym>
+inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const int16_t* xq,
+                       const float* xs, const float* xsum, float* out) {
+  switch (mr) {
+    case 3: return panel_pass<3, kInt4, kSym>(w, p, xq, xs, xsum, out);
+    case 2: return panel_pass<2, kInt4, kSym>(w, p, xq, xs, xsum, out);
+    default: return panel_pass<1, kInt4, kSym>(w, p, xq, xs, xsum, out);
+  }
+}
+
+// x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32 sums.
+template <bool kInt4, bool kSym, typename X>
+void gemm_qpanels(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  const int64_t K = w.K, runs = K / kRun;
+  thread_local std::vector<int16_t> xq;  // scratch kept between calls
+  thread_local std::vector<float> xs, xsum;
+  xq.resize(M * K);
+  xs.resize(M * runs);
+  xsum.resize(M * runs);
+  quantize_runs_int16(x, M, K, xq.data(), xs.data(), w.mins ? xsum.data() : nullptr);
+  // Pointers, not the thread_local vectors: inside the lambda those names are the worker
+  // thread's own (empty) vectors.
+  const int16_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  const float* xsump = xsum.data();
+  at::parallel_for(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
+    float out[kRowsQ * kCols];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsQ) {
+        const int64_t mr = std::min(kRowsQ, M - m0);
+        panel_rows<kInt4, kSym>(mr, w, p, xqp + m0 * K, xsp + m0 * runs, xsump + m0 * runs, out);
+        for (int64_t m = 0; m < mr; ++m)
+          for (int64_t j = 0; j < kCols; ++j) {
+            const int64_t n = p * kCols + j;
+            y[(m0 + m) * w.N + n] = static_cast<X>(out[m * kCols + j] + (bias ? bias[n] : 0.f));
+          }
+      }
+  });
+}
+
+template <typename X>
+void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  if (!w.int4) return gemm_qpanels<false, false>(w, x, bias, y, M);
+  if (w.mins) return gemm_qpanels<true, false>(w, x, bias, y, M);
+  return gemm_qpanels<true, true>(w, x, bias, y, M);
+}
+#endif
+
+at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins,
+                         const std::optional<at::Tensor>& b, int64_t group) {
+  const bool int4 = q.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || q.scalar_type() == at::kChar, "qweight must be int8 or uint8 (int4)");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.size(0) == q.size(0),
+              "qweight [N, K or K/2] and float16 scales [N, groups], contiguous");
+  const int64_t N = q.size(0), K = int4 ? 2 * q.size(1) : q.size(1);
+  TORCH_CHECK(N % kCols == 0 && K % kRun == 0 && group % kRun == 0 && group > 0 &&
+                  scales.size(1) == (K + group - 1) / group,
+              "pair panels need N % 16 == 0, K and the group size multiples of 32");
+  TORCH_CHECK(x.size(-1) == K, "x's last dimension must be K");
+  TORCH_CHECK(!mins.has_value() || (int4 && mins->sizes() == scales.sizes() &&
+                                    mins->scalar_type() == at::kHalf && mins->is_contiguous()),
+              "mins: int4 only, float16 shaped like scales");
+  const QWeight w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<at::Half>(),
+                  mins.has_value() ? mins->data_ptr<at::Half>() : nullptr,
+                  N, K, scales.size(1), group, int4};
+  const auto dt = x.scalar_type();
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (dt == at::kBFloat16 || dt == at::kHalf) {
+    const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    at::Tensor y = at::empty(out_shape, x.options());
+    if (dt == at::kBFloat16)
+      gemm_qpanels_any(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
+    else
+      gemm_qpanels_any(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
+    return y;
+  }
+#endif
+  at::Tensor wf = at::empty({N, K}, x.options().dtype(at::kFloat));
+  float* wd = wf.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k) wd[n * K + k] = value_at(w, n, k);
+  });
+  const auto bf = b.has_value() ? std::optional<at::Tensor>(b->to(at::kFloat)) : std::nullopt;
+  return at::linear(x.to(at::kFloat), wf, bf).to(dt);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aotllm, m) {
+  m.def("linear_qpanel(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? b, "
+        "int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_qpanel", &linear_qpanel); }

@@ -1,0 +1,93 @@
+"""aotllm::linear_qpanel (runtime/kernels/qpanel_linear.cpp): quantized weights in pair
+panels (runtime/models/panels.py pack_qpanels, the "panels16q" layout) against the torch
+reference the eager engines run, compiled for this host as a build would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from contract.quant import QuantSpec
+from pipeline.compile.kernels import build_kernels
+from runtime import kernels
+from runtime.host import host_cpu_target
+from runtime.models.panels import pack_qpanel_weight, pack_qpanels, qpanels_fit, unpack_qpanels
+from runtime.quant import dequantize_packed, quantize
+
+SPECS = [QuantSpec("int8", 0), QuantSpec("int8", 32), QuantSpec("int4", 32), QuantSpec("int4", 128),
+         QuantSpec("int4", 64, zero_point=True), QuantSpec("int4", 32, zero_point=True)]
+
+
+@pytest.fixture(scope="module")
+def lib() -> Path:
+    path = build_kernels(host_cpu_target())
+    kernels.load(path)
+    return path
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_pair_panels_hold_the_same_numbers_in_another_order(spec: QuantSpec) -> None:
+    p = quantize(torch.randn(48, 160), spec).packed()
+    q, s, m = p["qweight"], p["scales"], p.get("mins")
+    pq, ps, pm = pack_qpanels(q, s, m)
+    assert (pq.shape, pq.dtype, ps.shape, ps.dtype) == (q.shape, q.dtype, s.shape, s.dtype)
+    assert not torch.equal(pq, q)
+    uq, us, um = unpack_qpanels(pq, ps, pm)
+    assert torch.equal(uq, q) and torch.equal(us, s)
+    assert (um is None) == (m is None) and (m is None or torch.equal(um, m))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (80, 160, True), (48, 1536, True)])
+def test_pair_panel_linear_matches_the_reference(lib: Path, spec: QuantSpec, dtype: torch.dtype,
+                                                 n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(n + k)
+    qt = quantize(torch.randn(n, k) / k**0.5, spec)
+    p = qt.packed()
+    w = dequantize_packed(p["qweight"], p["scales"], p.get("mins"), qt.group, torch.float32)
+    q, s, m = pack_qpanels(p["qweight"], p["scales"], p.get("mins"))
+    b = torch.randn(n).to(dtype) if bias else None
+    # 1-3 rows: one pass of the kernel; 4, 17, 64: several and a short last one
+    for rows in (1, 2, 3, 4, 17, 64):
+        x = torch.randn(rows, k)
+        x[:, ::97] *= 50  # outlier features stretch each run's int16 scale
+        x = x.to(dtype)
+        got = torch.ops.aotllm.linear_qpanel(x, q, s, m, b, qt.group)
+        want = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        assert got.dtype == dtype and got.shape == (rows, n)
+        # float32: the same products in another order; 16-bit: the output's one rounding
+        # (the int16 requantization of x is 2^-16 of a run's largest |x|, far below it).
+        tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+        torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    x3 = torch.randn(2, 3, k).to(dtype)  # leading dimensions are rows too
+    torch.testing.assert_close(torch.ops.aotllm.linear_qpanel(x3, q, s, m, b, qt.group),
+                               torch.ops.aotllm.linear_qpanel(x3.reshape(6, k), q, s, m, b,
+                                                              qt.group).reshape(2, 3, n))
+
+
+def test_a_shard_packs_only_what_fits_and_the_layer_agrees() -> None:
+    spec = QuantSpec("int4", 32)
+    shard = {}
+    for name, (n, k) in {"fits": (32, 64), "short": (24, 64)}.items():
+        p = quantize(torch.randn(n, k), spec).packed()
+        shard |= {f"{name}.qweight": p["qweight"], f"{name}.scales": p["scales"]}
+    before = {k: v.clone() for k, v in shard.items()}
+    for name in ("fits", "short"):
+        pack_qpanel_weight(shard, name, spec)
+    assert qpanels_fit(32, 64, 32) and not torch.equal(shard["fits.qweight"], before["fits.qweight"])
+    assert not qpanels_fit(24, 64, 32) and torch.equal(shard["short.qweight"], before["short.qweight"])
+    assert not qpanels_fit(32, 48, 48)  # a group of 48 splits a run of 32
+
+
+def test_bad_shapes_are_errors_not_garbage(lib: Path) -> None:
+    p = quantize(torch.randn(32, 64), QuantSpec("int4", 32)).packed()
+    q, s, _ = pack_qpanels(p["qweight"], p["scales"], None)
+    with pytest.raises(RuntimeError, match="x's last dimension must be K"):
+        torch.ops.aotllm.linear_qpanel(torch.randn(1, 96), q, s, None, None, 32)
+    with pytest.raises(RuntimeError, match="pair panels need"):
+        torch.ops.aotllm.linear_qpanel(torch.randn(1, 64), q[:24], s[:24], None, None, 32)
+    with pytest.raises(RuntimeError, match="mins: int4 only"):
+        torch.ops.aotllm.linear_qpanel(torch.randn(1, 64), q, s, s[:, :1].contiguous(), None, 32)
