@@ -9,7 +9,9 @@
 // and the weights widened again for every pass of 8 rows. Here a pair of x's int16 values
 // is broadcast once (one `vpbroadcastd`) and multiplied into 16 columns by two `vpmaddwd`
 // of weights widened once for up to kRowsQ rows; the sums are scaled once per run for 16
-// columns. Measured (SmolLM2's 30 layers of linears, 2 threads, Zen 3, interleaved, ms):
+// columns. Measured (SmolLM2's 30 layers of linears, 2 threads, Zen 3, interleaved, ms; "here"
+// is this kernel's first version, the same inner loop for groups of 32 only; the op itself
+// is in bench/quant_kernels.py and bench/results/latest/quant.md):
 //            1 row   4 rows   8 rows   16 rows   143 rows
 //   int8 rows 10.5    16.6     35.5     68.6      339      (quant_int16.h, quant_panel.h)
 //   int8 here  8.7    10.7     17.3     28.9      209
