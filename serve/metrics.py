@@ -9,10 +9,12 @@ the scrape-time refresh may update them from different threads.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serve.gcpolicy import GENERATIONS, PauseTotals
 
 # The page is the plain text format with no `_created` series (they would double the
 # counter and histogram lines and no dashboard reads them). The switch is process-wide.
@@ -118,6 +120,17 @@ class ServingMetrics:
                 ("prefill_steps_total", "Engine steps with prompt tokens (decodes may join)."),
                 ("prefill_step_seconds_total", "Seconds in engine steps with prompt tokens."),
             )}
+        # Python's collector (serve/gcpolicy.py): a pause holds the GIL, so the engine loop and
+        # the HTTP thread stall for it; the counters follow the process totals by increments.
+        self.gc_pauses = Counter(f"{p}gc_pauses", "Collections of Python's cyclic garbage "
+                                 "collector, by generation.", ("generation",), registry=r)
+        self.gc_pause_seconds = Counter(f"{p}gc_pause_seconds", "Seconds the collections of "
+                                        "each generation held the GIL.", ("generation",),
+                                        registry=r)
+        self._gc_seen: dict[tuple[str, str], float] = {}
+        for gen in GENERATIONS:  # on the page from the start, at 0
+            self.gc_pauses.labels(generation=str(gen))
+            self.gc_pause_seconds.labels(generation=str(gen))
         # The executor keeps the preemption total; the counter follows it by increments.
         # The lock makes read-compare-increment atomic should two threads scrape at once.
         self._preemptions_seen = 0.0
@@ -149,6 +162,17 @@ class ServingMetrics:
             seconds = gate.get("seconds")
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 self.gate_seconds.labels(gate=str(gate.get("name", "?"))).set(float(seconds))
+
+    def refresh_gc(self, totals: Mapping[int, PauseTotals]) -> None:
+        """Scrape-time update from `gcpolicy.PAUSES.totals()`."""
+        with self._lock:
+            for gen, t in totals.items():
+                for counter, name, value in ((self.gc_pauses, "n", float(t.collections)),
+                                             (self.gc_pause_seconds, "s", t.seconds)):
+                    seen = self._gc_seen.get((name, str(gen)), 0.0)
+                    if value > seen:
+                        counter.labels(generation=str(gen)).inc(value - seen)
+                        self._gc_seen[(name, str(gen))] = value
 
     def _mirror(self, key: str, total: float) -> None:
         with self._lock:  # as _mirror_preemptions: never backwards

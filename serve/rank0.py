@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
 from serve.backends import Backend, EngineFault
 from serve.gates import GateFailure, GateLog
+from serve.gcpolicy import PAUSES, freeze_heap
 from serve.launch import EXIT_DRAIN_CUT
 from serve.startup import Evidence, Startup, engine_summary, read_generation_eos
 
@@ -67,6 +68,7 @@ class Rank0:
             "world_size": self.comm.size,
             "topology": self.comm.topology(),
             "threads": self.threads,
+            "gc": PAUSES.report(),
             "phase": self.state.readiness.phase,
             "pid": os.getpid(),
         }
@@ -146,6 +148,7 @@ class Rank0:
         self._tokenizer_ready()
         with self.log.run("admission") as ev:
             executor = backend.open(ev)
+            ev.update(freeze_heap())
             self.comm.allgather("admitted")
             # From now on a failed peer fails the requests in flight, and a rank > 0 whose
             # host is stopping may ask for a drain (the peer watch reads the request).

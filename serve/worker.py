@@ -26,6 +26,7 @@ from runtime.bootstrap import Bootstrap, Listeners
 from runtime.comm import Comm
 from runtime.engine_files import close_all
 from serve.gates import GateFailure, GateLog
+from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
 from serve.launch import LaunchConfig, parse
 from serve.supervisor import BOOT_SOCK_ENV, PARENT_FD_ENV, receive_bootstrap
 
@@ -212,6 +213,7 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
     try:
         backend = st.run()
+        freeze_heap()  # as rank 0 does in its admission gate
         comm.allgather("admitted")
         life.serving.set()
     except GateFailure as e:
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = boot.rank if boot else 0
     _setup_logging(cfg.log_level, rank, cfg.run_dir)
     life = Lifecycle(cfg.run_dir, rank)
+    PAUSES.install()
+    hold_collector()
     _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
     rc = 1
     try:

@@ -26,6 +26,7 @@ from serve.api.guard import ConnectionGuard, check_api_key
 from serve.api.openapi import openapi_spec
 from serve.api.protocol import ApiError
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
+from serve.gcpolicy import PAUSES
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -148,6 +149,7 @@ async def _metrics(request: web.Request) -> web.Response:
         except Exception:  # a scrape must not fail because the engine is unhappy
             log.exception("executor.stats() failed during a metrics scrape")
     state.metrics.refresh(stats, _gates(state))
+    state.metrics.refresh_gc(PAUSES.totals())
     # generate_latest writes text format 0.0.4 (our names need no escaping); say so rather
     # than CONTENT_TYPE_LATEST, which is version=1.0.0 from prometheus_client 0.23 on.
     return web.Response(body=generate_latest(state.metrics.registry),

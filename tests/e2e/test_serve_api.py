@@ -95,6 +95,12 @@ def test_engine_report_has_every_gate_with_timing_and_the_load_figures(server: S
     # On a CPU, prompts computed while others decode come in chunks of at most 128 tokens.
     admission = gates[GATE_NAMES.index("admission")]["evidence"]
     assert admission["max_prefill_tokens_while_decoding"] == 128, admission
+    # The collector was held through the gates and the start-up heap frozen at admission
+    # (serve/gcpolicy.py); its pauses since are reported by generation.
+    assert admission["gc_frozen_objects"] > 50_000, admission
+    assert set(rep["gc"]) == {"gen0", "gen1", "gen2"}
+    assert all(g["collections"] >= 0 and g["total_ms"] >= g["max_ms"] >= 0
+               for g in rep["gc"].values()), rep["gc"]
     # The same timeline is logged at admission as one table, a row per gate.
     log = server.stderr()
     table = log[log.index("admission open; cold start:"):].splitlines()[1:len(GATE_NAMES) + 2]

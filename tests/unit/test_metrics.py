@@ -117,6 +117,12 @@ EXPECTED = {
         ("counter", "Engine steps with prompt tokens (decodes may join).", ()),
     "llmserve_prefill_step_seconds_total":
         ("counter", "Seconds in engine steps with prompt tokens.", ()),
+    "llmserve_gc_pauses_total":
+        ("counter", "Collections of Python's cyclic garbage collector, by generation.",
+         ("generation",)),
+    "llmserve_gc_pause_seconds_total":
+        ("counter", "Seconds the collections of each generation held the GIL.",
+         ("generation",)),
 }
 
 
@@ -264,3 +270,18 @@ def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
     page = parse(render(m))
     assert page.value("llmserve_prompt_tokens_computed_total") == 45.0
     assert page.value("llmserve_forked_sequences_total") == 3.0
+
+
+def test_gc_pauses_are_mirrored_by_generation_from_the_process_totals() -> None:
+    from serve.gcpolicy import PauseTotals
+
+    m = ServingMetrics()
+    page = parse(render(m))
+    assert [page.value("llmserve_gc_pauses_total", generation=g) for g in "012"] == [0, 0, 0]
+    m.refresh_gc({0: PauseTotals(7, 0.002, 0.001), 2: PauseTotals(1, 0.08, 0.08)})
+    m.refresh_gc({0: PauseTotals(9, 0.003, 0.001), 2: PauseTotals(1, 0.08, 0.08)})
+    page = parse(render(m))
+    assert page.value("llmserve_gc_pauses_total", generation="0") == 9
+    assert page.value("llmserve_gc_pause_seconds_total", generation="0") == pytest.approx(0.003)
+    assert page.value("llmserve_gc_pauses_total", generation="1") == 0
+    assert page.value("llmserve_gc_pause_seconds_total", generation="2") == pytest.approx(0.08)
