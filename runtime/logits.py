@@ -79,6 +79,13 @@ class SeqSampling:
         return torch.unique(both).to(device)
 
 
+def leaves_untouched(s: SeqSampling) -> bool:
+    """apply_processors would not change this state's row (the cases it tests, negated)."""
+    p = s.params
+    return (s.grammar is None and not p.logit_bias and not p.has_penalties
+            and not (s.num_output < p.min_tokens and s.stop_token_ids))
+
+
 def apply_processors(logits: torch.Tensor, states: Sequence[SeqSampling]) -> None:
     """Steps 1-4 above, in place on logits [m, V] float32 (one row per state)."""
     apply_grammars(logits, [(i, s.grammar) for i, s in enumerate(states)

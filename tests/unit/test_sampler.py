@@ -204,3 +204,22 @@ def test_the_pipeline_does_not_depend_on_the_batch() -> None:
     batched = Sampler().sample_seqs(logits, states())
     alone = [Sampler().sample_seqs(logits[i:i + 1], [s])[0] for i, s in enumerate(states())]
     assert batched == alone
+
+
+def test_plain_greedy_rows_skip_the_float_copy_and_choose_the_same_tokens() -> None:
+    gen = torch.Generator().manual_seed(22)
+    # bf16 rounding makes ties common: the first maximum must win, as after a float32 copy.
+    logits = (torch.randn(16, 4000, generator=gen) * 2).round().bfloat16()
+    logits[3, 10] = logits[3, 900] = logits[3].max() + 1  # an exact tie
+    plain = [_state(SamplingParams(temperature=0.0)) for _ in range(16)]
+    tokens = [t for t, _ in Sampler().sample_seqs(logits, plain)]
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert tokens[3] == 10
+    # Any processor or log-probability takes the full pipeline: a stop token masked before
+    # min_tokens is never chosen, even where it is the maximum.
+    masked = _state(SamplingParams(temperature=0.0, min_tokens=2), stops=(10,))
+    ((token, _),) = Sampler().sample_seqs(logits[3:4], [masked])
+    assert token == 900
+    ((token, lp),) = Sampler().sample_seqs(logits[3:4], [_state(SamplingParams(temperature=0.0,
+                                                                               logprobs=0))])
+    assert token == 10 and lp is not None
