@@ -94,7 +94,11 @@ class RequestTable:
                     rows.append(r)
                     seqs.append(child)
                     owners.append(-1 - r)
-        picks = sampler.sample_seqs(logits[rows], [s.sampling for s in seqs])
+        # Without forks the rows are the first len(rows) in order: a view, not a gather
+        # (an indexed copy of [16, vocab] took ~1 ms a step).
+        plain = rows == list(range(len(rows)))
+        picks = sampler.sample_seqs(logits[: len(rows)] if plain else logits[rows],
+                                    [s.sampling for s in seqs])
         sampled: dict[int, int] = {}
         forks: dict[int, list[tuple[int, int]]] = {}
         for s, owner, (token, lp) in zip(seqs, owners, picks):
