@@ -56,6 +56,11 @@ def _register_fakes() -> None:
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q)
 
+    @_fake("paged_prefill_attention")
+    def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q)
+
     @_fake("linear")
     def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -87,9 +87,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D].
 
-    `use_kernels`: both groups run the fused decode kernel (runtime/kernels), which reads
-    K/V in place with an online softmax, instead of the tensor operations; a prefill chunk's
-    queries go in as one row each, with their own causal context length.
+    `use_kernels`: both groups run our fused kernels (runtime/kernels/paged_attention.cpp),
+    which read K/V in place with an online softmax, instead of the tensor operations: the
+    decode rows one query each, the prompt chunks in tiles of rows, each causal to its own
+    position.
     """
     _, hq, d = q.shape
     hk = k_cache.shape[2]
@@ -108,14 +109,12 @@ def paged_attention(
     bp, nq = meta.pf_q_index.shape
     qp = q[meta.pf_q_index]  # [Bp, Q, Hq, D]
     if use_kernels:
-        # Every prefill query as a decode row of its own: its sequence's block table and
-        # the keys up to its own position (causal). Keys are re-read per query, which costs
-        # far less than the tensor path's gathers, masks and padded softmax (measured on an
-        # AVX2 host: 512 prompt tokens of SmolLM2, 1.9 s of generated code a step).
-        tables = meta.pf_block_tables.unsqueeze(1).expand(bp, nq, -1).reshape(bp * nq, -1)
-        ctx = (positions[meta.pf_q_index] + 1).reshape(bp * nq)  # [Bp * Q]
-        op = torch.ops.aotllm.paged_decode_attention(
-            qp.reshape(bp * nq, hq, d), k_cache, v_cache, tables, ctx, scale
+        # The prompt chunks' queries in tiles of rows against their own sequence's blocks,
+        # each causal to its own position: every key block is widened once per tile, not
+        # once per query row (the decode kernel with one row per query, before).
+        qpos = positions[meta.pf_q_index]  # [Bp, Q]
+        op = torch.ops.aotllm.paged_prefill_attention(
+            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale
         ).reshape(bp * nq, hq * d)
         return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]
 

@@ -181,3 +181,37 @@ def test_a_dead_peer_is_an_error_not_a_hang(lib: Path, tmp_path: Path) -> None:
     assert runs[0].returncode != 0 and "is gone" in runs[0].stderr, runs[0].stderr[-2000:]
     assert time.monotonic() - t0 < 30
     assert not os.path.exists(tmp_path / "out.json.0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Rows: one, a short tile, a whole tile, a tile and one, several tiles; groups as above.
+@pytest.mark.parametrize(("hq", "hk", "d"), [(9, 3, 64), (8, 1, 32), (10, 2, 80), (2, 1, 12)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 21])
+def test_prefill_attention_kernel_matches_each_row_as_a_decode_query(
+        lib: Path, dtype: torch.dtype, hq: int, hk: int, d: int, rows: int) -> None:
+    """Each prompt row attends to the keys up to its own position, whatever tile it is in:
+    the same as the decode kernel (itself checked against the tensor path above) given
+    that row alone with its causal length. Chunks start at 0, mid-block and after blocks."""
+    torch.manual_seed(hq * rows + d)
+    nb, bs, m = 64, 16, 4
+    kc, vc = (torch.randn(nb, bs, hk, d).to(dtype) for _ in range(2))
+    starts = torch.tensor([0, 5, 40])[:, None]  # [P, 1]
+    pos = starts + torch.arange(rows)[None, :]  # [P, Q]
+    pos[2, -3:] = pos[2, -4] if rows > 4 else pos[2]  # a short chunk repeats its last row
+    tables = torch.randperm(nb)[: 3 * m].view(3, m)
+    q = torch.randn(3, rows, hq, d).to(dtype)
+    got = torch.ops.aotllm.paged_prefill_attention(q, kc, vc, tables, pos, d**-0.5)
+    want = torch.ops.aotllm.paged_decode_attention(
+        q.reshape(3 * rows, hq, d), kc, vc, tables.repeat_interleave(rows, 0),
+        (pos + 1).reshape(-1), d**-0.5).reshape(3, rows, hq, d)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_prefill_attention_rejects_mismatched_positions(lib: Path) -> None:
+    kc = vc = torch.zeros(4, 16, 1, 8)
+    with pytest.raises(RuntimeError, match="q_pos"):
+        torch.ops.aotllm.paged_prefill_attention(torch.zeros(1, 3, 2, 8), kc, vc,
+                                                 torch.zeros(1, 1, dtype=torch.long),
+                                                 torch.zeros(1, 2, dtype=torch.long), 1.0)
