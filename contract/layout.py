@@ -34,8 +34,11 @@ KERNELS_LIB = "kernels.so"
 # with the quantized linears of the decoder layers in pair panels as well (whole panels,
 # runs and groups of 32: runtime/models/panels.py pack_qpanels), the layout the integer
 # kernel of AVX2 targets reads (runtime/kernels/qpanel_linear.cpp); quantized weights of a
-# "panels16" engine stay row-major (contract/quant.py layout 1).
-WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q")
+# "panels16" engine stay row-major (contract/quant.py layout 1). "panels16qh" (what builds
+# write now) is "panels16q" with a quantized LM head in pair panels too (the tied embedding
+# has its own row-major copy in the shard); "panels16q" engines, head row-major, still load.
+WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh")
+QPANEL_LAYOUTS = ("panels16q", "panels16qh")  # quantized linears in pair panels
 PANEL_COLUMNS = 16
 # CPU ISA levels without a native bf16 dot product: there the panel kernel beats the
 # row-major paths (on avx512_bf16/amx targets vdpbf16ps and oneDNN keep row-major weights).
@@ -48,7 +51,7 @@ def weight_layout_for(backend: str, device: str, isa: str | None, quantized: boo
     `quantized` (a quantized engine of 16-bit activations)."""
     if backend != "aoti" or device != "cpu" or isa not in _PANEL_ISAS:
         return "rows"
-    return "panels16q" if quantized and isa == "avx2" else "panels16"
+    return "panels16qh" if quantized and isa == "avx2" else "panels16"
 
 
 def rank_shard(rank: int) -> str:

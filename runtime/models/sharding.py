@@ -136,9 +136,13 @@ def is_panel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization, tp: 
             and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is None)
 
 
-def is_qpanel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization) -> bool:
-    """A quantized linear of the decoder layers: the "panels16q" layout stores it in pair
-    panels when a rank's piece fits them (runtime/models/panels.py qpanels_fit)."""
+def is_qpanel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization,
+                     head: bool = False) -> bool:
+    """A quantized linear of the decoder layers (and with `head`, the quantized LM head):
+    the "panels16q" layouts store it in pair panels when a rank's piece fits them
+    (runtime/models/panels.py qpanels_fit)."""
+    if rule.name == "lm_head.weight":
+        return head and quant.lm_head is not None
     return (rule.name.startswith("layers.") and rule.name.endswith(".weight")
             and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is not None)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.layout import QPANEL_LAYOUTS
 from contract.manifest import read_manifest
 from tests.conftest import REPO, subprocess_env
 from tests.e2e.conftest import MODEL, Reference
@@ -57,7 +58,7 @@ def test_a_served_int4_engine_generates_what_transformers_does_on_its_weights(
     assert "int4_wo: linears int4 group 32" in out, out
 
     gates = {g["name"]: g["evidence"] for g in int4_server.call("GET", "/v1/engine").json()["gates"]}
-    op = "linear_qpanel" if m.weight_layout == "panels16q" else "linear_int4"
+    op = "linear_qpanel" if m.weight_layout in QPANEL_LAYOUTS else "linear_int4"
     assert f"aotllm::{op}" in str(gates["compatible"]["quant"]), gates["compatible"]
     assert "int4_wo" in gates["warmup"]["golden"], gates["warmup"]
 

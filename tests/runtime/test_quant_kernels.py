@@ -118,6 +118,9 @@ def test_the_compatible_gate_says_what_runs_a_quantized_engine() -> None:
     assert ok and "aotllm::linear_int4" in why
     ok, why = runs_here(q, "aoti", "cpu", True, "panels16q")
     assert ok and "aotllm::linear_qpanel (int4 pair panels)" in why
+    headed = Quantization("int4_wo", QuantSpec("int4", 32), QuantSpec("int8", 0))
+    ok, why = runs_here(headed, "aoti", "cpu", True, "panels16qh")
+    assert ok and "aotllm::linear_qpanel (int4 pair panels and LM head)" in why
     ok, why = runs_here(q, "aoti", "cpu", False)
     assert not ok and "no kernels library" in why
     ok, why = runs_here(Quantization("fp8"), "eager", "cpu", False)
