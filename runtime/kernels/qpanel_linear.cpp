@@ -26,6 +26,11 @@
 //
 // int4 zero points: symmetric (no mins) subtracts 8 from the widened weights; with mins
 // (Q4_1), each run adds min x (the run's sum of x), the float term of W = q * s + min.
+//
+// int4 calls with more rows than one pass unpack each panel to int8 pairs once and run the
+// int8 passes (unpack_int4_panel): the int4 pass re-widened the nibbles for every 3 rows.
+// Interleaved, same units as the table: int4 16 rows 25.5-29.0 -> 19.5-21.0, 143 rows
+// 203-207 -> 145-155 (int8 at 143 rows: 146-164).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,11 +84,11 @@ inline void pair_int16(const uint8_t* wp, int64_t t, __m256i& lo, __m256i& hi) {
 
 // out[m][16] = rows m of x (int16 xq [MR, K], run scales xs and sums xsum [MR, runs])
 // against panel p of w.
+// wp: the panel's weights, as stored (kInt4) or as int8 pairs (unpack_int4_panel).
 template <int64_t MR, bool kInt4, bool kSym>
-inline void panel_pass(const QWeight& w, int64_t p, const int16_t* xq, const float* xs,
-                       const float* xsum, float* out) {
+inline void panel_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int16_t* xq,
+                       const float* xs, const float* xsum, float* out) {
   const int64_t K = w.K, runs = K / kRun, per_group = w.group / kRun;
-  const uint8_t* wp = w.q + p * kCols * (kInt4 ? K / 2 : K);
   const at::Half* sp = w.scales + p * kCols * w.groups;
   const at::Half* mp = w.mins ? w.mins + p * kCols * w.groups : nullptr;
   __m256 f0[MR], f1[MR];
@@ -128,12 +133,29 @@ inline void panel_pass(const QWeight& w, int64_t p, const int16_t* xq, const flo
 }
 
 template <bool kInt4, bool kSym>
-inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const int16_t* xq,
-                       const float* xs, const float* xsum, float* out) {
+inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const uint8_t* wp,
+                       const int16_t* xq, const float* xs, const float* xsum, float* out) {
   switch (mr) {
-    case 3: return panel_pass<3, kInt4, kSym>(w, p, xq, xs, xsum, out);
-    case 2: return panel_pass<2, kInt4, kSym>(w, p, xq, xs, xsum, out);
-    default: return panel_pass<1, kInt4, kSym>(w, p, xq, xs, xsum, out);
+    case 3: return panel_pass<3, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
+    case 2: return panel_pass<2, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
+    default: return panel_pass<1, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
+  }
+}
+
+// An int4 panel (K / 2 pairs of 16 bytes) as int8 pairs (32 bytes each, the int8 layout):
+// low nibbles are values 0..15 of a pair, high nibbles 16..31; the symmetric zero point
+// (8) subtracted here, so the int8 pass computes the very integer sums the int4 pass does.
+// Done once per panel when a call has more rows than one pass takes: the int4 pass widens
+// the nibbles again for every kRowsQ rows (a 128-token prompt: 43 times).
+template <bool kSym>
+void unpack_int4_panel(const uint8_t* wp, int64_t K, int8_t* dst) {
+  const __m128i m4 = _mm_set1_epi8(15), zp = _mm_set1_epi8(kSym ? 8 : 0);
+  for (int64_t t = 0; t < K / 2; ++t) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 16));
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), zp);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), zp);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32 + 16), hi);
   }
 }
 
@@ -152,18 +174,30 @@ void gemm_qpanels(const QWeight& w, const X* x, const float* bias, X* y, int64_t
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
   const float* xsump = xsum.data();
+  // More rows than one pass: int4 panels unpacked to int8 pairs once, then int8 passes.
+  const bool unpack = kInt4 && M > kRowsQ;
   at::parallel_for(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
     float out[kRowsQ * kCols];
-    for (int64_t p = begin; p < end; ++p)
+    std::vector<int8_t> buf(unpack ? kCols * K : 0);
+    const auto* bp = reinterpret_cast<const uint8_t*>(buf.data());
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* wp = w.q + p * kCols * (kInt4 ? K / 2 : K);
+      if (unpack) unpack_int4_panel<kSym>(wp, K, buf.data());
       for (int64_t m0 = 0; m0 < M; m0 += kRowsQ) {
         const int64_t mr = std::min(kRowsQ, M - m0);
-        panel_rows<kInt4, kSym>(mr, w, p, xqp + m0 * K, xsp + m0 * runs, xsump + m0 * runs, out);
+        if (unpack)
+          panel_rows<false, false>(mr, w, p, bp, xqp + m0 * K, xsp + m0 * runs,
+                                   xsump + m0 * runs, out);
+        else
+          panel_rows<kInt4, kSym>(mr, w, p, wp, xqp + m0 * K, xsp + m0 * runs,
+                                  xsump + m0 * runs, out);
         for (int64_t m = 0; m < mr; ++m)
           for (int64_t j = 0; j < kCols; ++j) {
             const int64_t n = p * kCols + j;
             y[(m0 + m) * w.N + n] = static_cast<X>(out[m * kCols + j] + (bias ? bias[n] : 0.f));
           }
       }
+    }
   });
 }
 
