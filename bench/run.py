@@ -141,7 +141,7 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
     tok = load_tokenizer(hf_dir)
     planned = systems.plan(hf_dir, args.skip, {1: args.engine_tp1, 2: args.engine_tp2}, run.sh)
     if args.quant:
-        planned += systems.plan_quant(hf_dir, run.sh)
+        planned += systems.plan_quant(hf_dir, run.sh, args.skip)
     files = systems.engine_files(planned)
     print("floors", flush=True)
     run.res["floors"] = floors.measure_all(args.quick, files, hf_dir)
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-tp1", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--engine-tp2", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
-    ap.add_argument("--skip", nargs="*", default=[], choices=systems.SYSTEMS)
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=(*systems.SYSTEMS, *systems.QUANT_SYSTEMS))
     ap.add_argument("--warm-start", action="store_true", help="do not drop the page cache")
     ap.add_argument("--no-latest", action="store_true", help="leave bench/results/latest alone")
     args = ap.parse_args(argv)

@@ -66,10 +66,14 @@ def quant_gguf(hf_dir: Path, qtype: str) -> Path:
     return bf16.with_name(bf16.name.replace("-bf16.gguf", f"-{qtype}.gguf"))
 
 
-def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str]) -> list[Planned]:
+def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str], skip: Sequence[str] = ()
+               ) -> list[Planned]:
     """The quantized systems, ours built from the same GGUF files llama-server serves."""
     out: list[Planned] = []
     for name in QUANT_SYSTEMS:
+        if name in skip:
+            out.append(Planned(name, None, "skipped on the command line"))
+            continue
         qtype, quant = QUANT_OF[name]
         gguf = quant_gguf(hf_dir, qtype)
         if not gguf.exists():

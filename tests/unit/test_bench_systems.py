@@ -45,3 +45,8 @@ def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
     # llama-server is not built in this cache: skipped with its status, not launched
     assert planned["llama-server-q8_0"].spec is None
     assert "not installed" in planned["llama-server-q8_0"].why
+    # A quantized system named on --skip is neither built nor launched.
+    built.clear()
+    planned = {p.name: p for p in systems.plan_quant(hf_dir, sh, ["ours-tp1-int8"])}
+    assert built == [] and planned["ours-tp1-int8"].spec is None
+    assert planned["ours-tp1-int8"].why == "skipped on the command line"
