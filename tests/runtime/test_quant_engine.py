@@ -58,8 +58,8 @@ ENGINES = {
     "aoti-int8+4-tp2": ("aoti", 2, "int8_wo", 32, "int4_wo"),
     "eager-bf16-int4+8-tp1": ("eager", 1, "int4_wo", 32, "int8_wo", "bfloat16"),
     "aoti-bf16-int4+8-tp1": ("aoti", 1, "int4_wo", 32, "int8_wo", "bfloat16"),
-    "eager-bf16-int8-tp2": ("eager", 2, "int8_wo", 32, "none", "bfloat16"),
-    "aoti-bf16-int8-tp2": ("aoti", 2, "int8_wo", 32, "none", "bfloat16"),
+    "eager-bf16-int8+8-tp2": ("eager", 2, "int8_wo", 32, "int8_wo", "bfloat16"),
+    "aoti-bf16-int8+8-tp2": ("aoti", 2, "int8_wo", 32, "int8_wo", "bfloat16"),
 }
 # Logits of the float model vs the quantized one, relative to the largest logit, on this
 # random tiny model (its logits are small and its weights have no outliers to spare): int8
@@ -159,12 +159,14 @@ def test_bf16_engines_read_pair_panels_as_the_reference_reads_rows(
         logits.update(_logits(engines, [n for n, e in ENGINES.items() if e[1] == tp and e[5:]],
                               tp, tmp_path))
     want = weight_layout_for("aoti", "cpu", host_cpu_target().isa, quantized=True)
-    for name in ("aoti-bf16-int4+8-tp1", "aoti-bf16-int8-tp2"):
+    for name in ("aoti-bf16-int4+8-tp1", "aoti-bf16-int8+8-tp2"):
         assert read_manifest(engines[name]).weight_layout == want, name
-    rows = load_file(str(engines["eager-bf16-int8-tp2"] / "rank1.safetensors"))
-    ours = load_file(str(engines["aoti-bf16-int8-tp2"] / "rank1.safetensors"))
+    rows = load_file(str(engines["eager-bf16-int8+8-tp2"] / "rank1.safetensors"))
+    ours = load_file(str(engines["aoti-bf16-int8+8-tp2"] / "rank1.safetensors"))
     name = "layers.0.mlp.down_proj.qweight"
     assert torch.equal(ours[name], rows[name]) == (want not in QPANEL_LAYOUTS)
+    # rank 1's slice of the vocabulary-parallel int8 head, in pair panels of its own
+    assert torch.equal(ours["lm_head.qweight"], rows["lm_head.qweight"]) == (want != "panels16qh")
     # The int8 LM head in pair panels as well; the embedding keeps its rows (tied, it has
     # its own copy in the shard), which the lookup reads.
     rows = load_file(str(engines["eager-bf16-int4+8-tp1"] / "rank0.safetensors"))
@@ -173,7 +175,7 @@ def test_bf16_engines_read_pair_panels_as_the_reference_reads_rows(
     embed = [k for k in rows if k.startswith("embed_tokens.")]
     assert embed and all(torch.equal(ours[k], rows[k]) for k in embed)
     for a, b in (("aoti-bf16-int4+8-tp1", "eager-bf16-int4+8-tp1"),
-                 ("aoti-bf16-int8-tp2", "eager-bf16-int8-tp2")):
+                 ("aoti-bf16-int8+8-tp2", "eager-bf16-int8+8-tp2")):
         err = rel_err(logits[a], logits[b])
         assert err < 2e-2, (a, b, err)
         print(f"{a}: within {err:.2%} of {b}")
