@@ -127,14 +127,12 @@ class ServingMetrics:
         self.gc_pause_seconds = Counter(f"{p}gc_pause_seconds", "Seconds the collections of "
                                         "each generation held the GIL.", ("generation",),
                                         registry=r)
-        self._gc_seen: dict[tuple[str, str], float] = {}
         for gen in GENERATIONS:  # on the page from the start, at 0
             self.gc_pauses.labels(generation=str(gen))
             self.gc_pause_seconds.labels(generation=str(gen))
-        # The executor keeps the preemption total; the counter follows it by increments.
-        # The lock makes read-compare-increment atomic should two threads scrape at once.
-        self._preemptions_seen = 0.0
-        self._seen: dict[str, float] = dict.fromkeys(self.mirrored, 0.0)
+        # Counters that follow a source's running total (the executor's, the collector's):
+        # see _follow.
+        self._seen: dict[tuple[str, str], float] = {}  # (series, label) -> highest total
         self._lock = threading.Lock()
 
     def refresh(self, stats: object | None, gates: Sequence[dict[str, object]]) -> None:
@@ -153,11 +151,12 @@ class ServingMetrics:
             self.kv_blocks.labels(state="used").set(used)
             self.kv_blocks.labels(state="cached").set(cached)
             self.kv_blocks.labels(state="free").set(max(total - used - cached, 0))
-            self._mirror_preemptions(float(getattr(stats, "preemptions_total", 0)))
+            self._follow(self.preemptions, ("preemptions", ""),
+                         float(getattr(stats, "preemptions_total", 0)))
             extra = getattr(stats, "extra", None) or {}
             for key in self.mirrored:
                 if key in extra:
-                    self._mirror(key, float(extra[key]))
+                    self._follow(self.mirrored[key], (key, ""), float(extra[key]))
         for gate in gates:
             seconds = gate.get("seconds")
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
@@ -165,25 +164,18 @@ class ServingMetrics:
 
     def refresh_gc(self, totals: Mapping[int, PauseTotals]) -> None:
         """Scrape-time update from `gcpolicy.PAUSES.totals()`."""
-        with self._lock:
-            for gen, t in totals.items():
-                for counter, name, value in ((self.gc_pauses, "n", float(t.collections)),
-                                             (self.gc_pause_seconds, "s", t.seconds)):
-                    seen = self._gc_seen.get((name, str(gen)), 0.0)
-                    if value > seen:
-                        counter.labels(generation=str(gen)).inc(value - seen)
-                        self._gc_seen[(name, str(gen))] = value
+        for gen, t in totals.items():
+            g = str(gen)
+            self._follow(self.gc_pauses.labels(generation=g), ("gc_pauses", g),
+                         float(t.collections))
+            self._follow(self.gc_pause_seconds.labels(generation=g), ("gc_seconds", g), t.seconds)
 
-    def _mirror(self, key: str, total: float) -> None:
-        with self._lock:  # as _mirror_preemptions: never backwards
-            if total > self._seen[key]:
-                self.mirrored[key].inc(total - self._seen[key])
+    def _follow(self, counter: Counter, key: tuple[str, str], total: float) -> None:
+        """Move `counter` up to a source's running `total`. A restarted source (total back
+        to 0) must not move the exported counter back: it stays put until the source passes
+        the highest total seen. The lock makes read-compare-increment atomic."""
+        with self._lock:
+            seen = self._seen.get(key, 0.0)
+            if total > seen:
+                counter.inc(total - seen)
                 self._seen[key] = total
-
-    def _mirror_preemptions(self, total: float) -> None:
-        # A restarted source (total back to 0) must not move the exported counter back:
-        # it stays put until the source passes the highest total seen.
-        with self._lock:
-            if total > self._preemptions_seen:
-                self.preemptions.inc(total - self._preemptions_seen)
-                self._preemptions_seen = total
