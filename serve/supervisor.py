@@ -24,6 +24,7 @@ import time
 
 from runtime.bootstrap import mpi_bootstrap
 from runtime.netif import InterfaceError
+from serve.cores import widen_for_worker
 
 PARENT_FD_ENV = "AOTLLM_PARENT_FD"
 BOOT_SOCK_ENV = "AOTLLM_BOOT_SOCK"
@@ -44,6 +45,7 @@ def supervise(worker_argv: list[str], comm_iface: str | None = None) -> int:
     env.setdefault(LAUNCH_TIME_ENV, repr(launched))
     env[PARENT_FD_ENV] = str(parent_r)
     env[BOOT_SOCK_ENV] = str(theirs.fileno())
+    widen_for_worker(env)  # before the worker's OpenMP reads its affinity mask
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve.worker", *worker_argv], env=env,
         pass_fds=[parent_r, theirs.fileno()], start_new_session=True,

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runtime.bootstrap import Bootstrap, Listeners
 from runtime.comm import Comm
 from runtime.engine_files import close_all
@@ -29,6 +27,7 @@ from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
 from serve.launch import LaunchConfig, parse
 from serve.supervisor import BOOT_SOCK_ENV, PARENT_FD_ENV, receive_bootstrap
+from serve.threads import thread_plan
 
 log = logging.getLogger("serve")
 RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed on stderr)
@@ -114,23 +113,6 @@ def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
         handler.setFormatter(logging.Formatter(fmt))
         logging.getLogger().addHandler(handler)
         run_log.addHandler(handler)
-
-
-# Python's default 5 ms: a thread that wants the GIL may wait that long. Rank 0's HTTP
-# thread and engine thread hand the GIL back and forth at every token; a short interval
-# keeps either from stalling the other (the step itself runs without the GIL).
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def thread_plan(comm: Comm) -> dict[str, object]:
-    """Set and return the rank's threads: the host's cores split evenly between its ranks
-    (oversubscribing them slows every collective and every OpenMP barrier)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, comm.local_size)))
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    return {"cores": cores, "ranks_on_host": comm.local_size,
-            "intra_op_threads": torch.get_num_threads(),
-            "gil_switch_interval_s": sys.getswitchinterval()}
 
 
 def _check_port(host: str, port: int) -> str | None:

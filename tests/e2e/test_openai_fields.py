@@ -375,5 +375,5 @@ def test_usage_in_the_last_stream_chunk_with_cached_tokens(server: Server,
     assert last.usage.prompt_tokens_details.cached_tokens == (n_ids - 1) // 16 * 16 > 0
     chat = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=3,
-        stream=True, stream_options={"include_usage": True}))
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 3
