@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.sampler import Sampler, make_generator
+from runtime.sampler import Sampler, first_max, make_generator
 from runtime.types import SamplingParams
 
 
@@ -223,3 +223,20 @@ def test_plain_greedy_rows_skip_the_float_copy_and_choose_the_same_tokens() -> N
     ((token, lp),) = Sampler().sample_seqs(logits[3:4], [_state(SamplingParams(temperature=0.0,
                                                                                logprobs=0))])
     assert token == 10 and lp is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_is_argmax_ties_and_nans_included(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 16, 64):
+                # Values 0..4 over a 49k vocabulary: every row has thousands of tied maxima.
+                logits = torch.randint(0, 5, (rows, 49152), generator=gen).to(dtype)
+                logits[0, 40000] = logits[0, 30000] = float("nan")  # NaN wins, the first one
+                assert first_max(logits).tolist() == logits.argmax(dim=-1).tolist()
+                assert first_max(logits)[0] == 30000
+    finally:
+        torch.set_num_threads(threads)
