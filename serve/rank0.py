@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
 from serve.backends import Backend, EngineFault
+from serve.cores import pin_compute_thread
 from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap
 from serve.launch import EXIT_DRAIN_CUT
@@ -179,6 +180,11 @@ class Rank0:
     def run(self) -> int:
         from serve.worker import HttpStartupFailed
 
+        # This thread loads, warms up and runs the steps; the threads it starts from here
+        # (OpenMP's) share its cores, the HTTP thread (already started) runs anywhere.
+        pinned = pin_compute_thread(self.comm.local_rank, self.comm.local_size)
+        if pinned is not None:
+            self.threads["step_thread_cores"] = pinned
         try:
             self.backend = backend = self.startup()
         except GateFailure as e:

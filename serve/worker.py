@@ -23,6 +23,7 @@ from typing import Any
 from runtime.bootstrap import Bootstrap, Listeners
 from runtime.comm import Comm
 from runtime.engine_files import close_all
+from serve.cores import pin_compute_thread
 from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
 from serve.launch import LaunchConfig, parse
@@ -192,6 +193,7 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     """Ranks > 0: the same gates as rank 0, then what the backend does while rank 0 serves."""
     from serve.startup import Startup
 
+    pin_compute_thread(comm.local_rank, comm.local_size)  # as rank 0 does (serve/cores.py)
     st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
     try:
         backend = st.run()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import time
 
 import pytest
@@ -92,6 +93,9 @@ def test_engine_report_has_every_gate_with_timing_and_the_load_figures(server: S
         assert load["floors"]["storage_read_gbps"] > 0 and load["floors"]["host_copy_gbps"] > 0
     assert "rank0.safetensors" in gates[GATE_NAMES.index("verify")]["evidence"]["files"]
     assert rep["kv_cache"]["blocks"] > 0
+    # Two unbound ranks on this host: each pins its step thread to its half of the cores.
+    host = sorted(os.sched_getaffinity(0))
+    assert rep["threads"]["step_thread_cores"] == host[:max(1, len(host) // 2)], rep["threads"]
     # On a CPU, prompts computed while others decode come in chunks of at most 128 tokens.
     admission = gates[GATE_NAMES.index("admission")]["evidence"]
     assert admission["max_prefill_tokens_while_decoding"] == 128, admission

@@ -74,3 +74,46 @@ def test_unbound_ranks_share_the_host_by_thread_count() -> None:
     ranks = _probe(2, "none")  # our own launcher's binding
     assert all(r["cores"] == HOST and "binding" not in r["plan"] for r in ranks)
     assert all(r["plan"]["intra_op_threads"] == max(1, len(HOST) // 2) for r in ranks)
+
+
+PIN_SCRIPT = """
+import json, os, threading
+from serve.cores import pin_compute_thread
+
+def mask(tid):
+    return os.sched_getaffinity(tid)
+
+if os.environ.get("BOUND"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+stop = threading.Event()
+before = threading.Thread(target=stop.wait)
+before.start()
+pinned = pin_compute_thread(1, 2)
+after = threading.Thread(target=stop.wait)
+after.start()
+out = {"pinned": pinned, "main": sorted(mask(0)), "before": sorted(mask(before.native_id)),
+       "after": sorted(mask(after.native_id))}
+stop.set()
+print(json.dumps(out))
+"""
+
+
+def _pin(bound: bool) -> dict[str, object]:
+    env = {**subprocess_env(), **({"BOUND": "1"} if bound else {})}
+    done = subprocess.run([sys.executable, "-c", PIN_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_step_thread_of_an_unbound_rank_is_pinned_to_its_share() -> None:
+    out = _pin(bound=False)
+    share = HOST[len(HOST) // 2:][:len(HOST) // 2]  # local rank 1 of 2: the upper half
+    assert out["pinned"] == out["main"] == share
+    assert out["after"] == share  # threads it starts later (OpenMP's) share its cores
+    assert out["before"] == HOST  # a thread already running (HTTP) runs anywhere
+
+
+def test_a_bound_rank_is_not_pinned_again() -> None:
+    out = _pin(bound=True)
+    assert out["pinned"] is None and out["main"] == out["after"] == HOST[:1]
