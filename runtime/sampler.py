@@ -45,12 +45,12 @@ def _top(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
     return tuple(zip(ids.tolist(), vals.tolist()))
 
 
-
 def first_max(logits: torch.Tensor) -> torch.Tensor:
     """[n, V] -> [n] index of each row's first maximum (NaN counts as the maximum), as
     argmax gives it; max's reduction is vectorised where argmax's is not: measured at 16
     rows of a 49k vocabulary, one thread, 0.33 ms against 1.1 ms."""
     return logits.max(dim=-1).indices
+
 
 class Sampler:
     def __init__(self) -> None:

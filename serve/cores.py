@@ -60,8 +60,8 @@ def widen_binding(local_rank: int, local_size: int) -> dict[str, object] | None:
     thread of this process moves: on Linux the mask is per thread); the change, or None."""
     if not hasattr(os, "sched_setaffinity") or os.environ.get(KEEP_BINDING_ENV) == "1":
         return None
-    own = os.sched_getaffinity(0)
-    share = rank_share(launcher_cores(), local_rank, local_size)
+    own, host = os.sched_getaffinity(0), launcher_cores()
+    share = rank_share(host, local_rank, local_size)
     if len(own) >= len(share):
         return None
     try:
@@ -70,7 +70,7 @@ def widen_binding(local_rank: int, local_size: int) -> dict[str, object] | None:
     except OSError as e:
         return {"from": sorted(own), "kept": True, "reason": str(e)}
     return {"from": sorted(own), "to": sorted(share),
-            "why": f"mpirun bound this rank to {len(own)} of its {len(launcher_cores())} "
+            "why": f"mpirun bound this rank to {len(own)} of its {len(host)} "
                    f"cores; {KEEP_BINDING_ENV}=1 keeps such a binding"}
 
 
@@ -92,8 +92,9 @@ def binding_change() -> dict[str, object] | None:
 def pin_compute_thread(local_rank: int, local_size: int) -> list[int] | None:
     """Several unbound ranks on one host: pin the calling thread (the one that runs the
     steps), and so the threads it starts later (OpenMP's), to this rank's share of the
-    cores, leaving threads already started (HTTP) free to run wherever there is room. Two ranks' step threads that the
-    scheduler puts on one core stall every collective of the step until it moves one:
+    cores, leaving threads already started (HTTP) free to run wherever there is room.
+    Two ranks' step threads that the scheduler puts on one core stall every collective
+    of the step until it moves one:
     TP=2 on 2 cores, served c=1, three interleaved rounds: 60.0 / 52.2 / 60.2 tok/s and
     ITL p99 26-31 ms unpinned, 66.8 / 66.3 / 66.0 tok/s and 18-19 ms pinned (TP=1 in the
     same rounds: 71.6 / 71.4 / 68.4); c=16 unchanged (342-382 either way). The cores
