@@ -48,10 +48,11 @@ def launcher_cores() -> set[int]:
 
 
 def rank_share(host: set[int], local_rank: int, local_size: int) -> set[int]:
-    """Local rank `local_rank`'s even, contiguous share of `host`'s cores (at least one)."""
+    """Local rank `local_rank`'s even, contiguous share of `host`'s cores (at least one;
+    more ranks than cores take them in turn)."""
     ordered = sorted(host)
     per = max(1, len(ordered) // max(1, local_size))
-    start = min(local_rank * per, len(ordered) - per)
+    start = local_rank * per % (len(ordered) - per + 1)
     return set(ordered[start:start + per])
 
 

@@ -26,6 +26,8 @@ def test_each_local_rank_gets_an_even_contiguous_share() -> None:
     assert [sorted(rank_share(host, r, 3)) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
     assert rank_share({3, 9}, 0, 1) == {3, 9}
     assert rank_share({5}, 1, 2) == {5}  # more ranks than cores: at least one each
+    assert [sorted(rank_share({0, 1}, r, 4)) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [sorted(rank_share(set(range(5)), r, 2)) for r in range(2)] == [[0, 1], [2, 3]]
 
 
 def _probe(n: int, bind: str, env: dict[str, str] | None = None) -> list[dict[str, object]]:
