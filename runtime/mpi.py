@@ -124,10 +124,12 @@ def find_mpirun(explicit: str | None = None) -> str:
 
 
 def mpirun_argv(n: int, mpirun: str | None = None, hosts: str | None = None,
-                hostfile: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+                hostfile: str | None = None, extra: tuple[str, ...] = (),
+                bind: str = "none") -> list[str]:
     """`mpirun -n N` with the flags a single host needs; root needs --allow-run-as-root.
     Several hosts: `hosts` (mpirun --host, e.g. a:1,b:1) or `hostfile`, and `extra`
-    arguments of mpirun's own (an ssh agent, MCA parameters) passed as given."""
+    arguments of mpirun's own (an ssh agent, MCA parameters) passed as given. `bind`: the
+    ranks' binding policy (tests pass "core", what a plain `mpirun -n 1|2` does)."""
     argv = [find_mpirun(mpirun)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-run-as-root")
@@ -136,7 +138,7 @@ def mpirun_argv(n: int, mpirun: str | None = None, hosts: str | None = None,
     if hostfile:
         argv += ["--hostfile", hostfile]
     # Ranks >= cores is fine for CPU engines; binding would pin every rank to one core.
-    return [*argv, "--oversubscribe", "--bind-to", "none", *extra, "-n", str(n)]
+    return [*argv, "--oversubscribe", "--bind-to", bind, *extra, "-n", str(n)]
 
 
 def child_env() -> dict[str, str]:

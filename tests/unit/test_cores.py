@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.mpi import find_mpirun, mpi_session
+from runtime.mpi import mpi_session, mpirun_argv
 from serve.cores import rank_share
 from tests.conftest import REPO, subprocess_env
 
@@ -31,12 +31,9 @@ def test_each_local_rank_gets_an_even_contiguous_share() -> None:
 
 
 def _probe(n: int, bind: str, env: dict[str, str] | None = None) -> list[dict[str, object]]:
-    argv = [str(find_mpirun())]
-    if os.geteuid() == 0:
-        argv.append("--allow-run-as-root")
-    argv += ["--oversubscribe", "--bind-to", bind, "-n", str(n)]
     with mpi_session({**subprocess_env(), **(env or {})}) as e:
-        done = subprocess.run([*argv, sys.executable, str(PROBE)], cwd=REPO, env=e,
+        done = subprocess.run([*mpirun_argv(n, bind=bind), sys.executable, str(PROBE)],
+                              cwd=REPO, env=e,
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
