@@ -37,21 +37,31 @@ KERNELS_LIB = "kernels.so"
 # "panels16" engine stay row-major (contract/quant.py layout 1). "panels16qh" (what builds
 # write now) is "panels16q" with a quantized LM head in pair panels too (the tied embedding
 # has its own row-major copy in the shard); "panels16q" engines, head row-major, still load.
-WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh")
-QPANEL_LAYOUTS = ("panels16q", "panels16qh")  # quantized linears in pair panels
+# "rowsqh" is "rows" for float weights with the quantized linears and LM head in pair panels:
+# what AVX512-BF16/AMX targets read (float GEMMs there run `vdpbf16ps` and oneDNN on
+# row-major weights, the pair panels `vpdpwssd`: runtime/kernels/qpanel_vnni.h).
+WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh", "rowsqh")
+FLOAT_PANEL_LAYOUTS = ("panels16", "panels16q", "panels16qh")  # float linears in panels
+QPANEL_LAYOUTS = ("panels16q", "panels16qh", "rowsqh")  # quantized linears in pair panels
+QHEAD_LAYOUTS = ("panels16qh", "rowsqh")  # a quantized LM head in pair panels too
 PANEL_COLUMNS = 16
 # CPU ISA levels without a native bf16 dot product: there the panel kernel beats the
 # row-major paths (on avx512_bf16/amx targets vdpbf16ps and oneDNN keep row-major weights).
 _PANEL_ISAS = ("avx2", "avx512")
+# Where quantized 16-bit models take pair panels: AVX2's integer kernel, AVX-512's VNNI one.
+_QPANEL_LAYOUT = {"avx2": "panels16qh", "avx512_bf16": "rowsqh", "amx": "rowsqh"}
 
 
 def weight_layout_for(backend: str, device: str, isa: str | None, quantized: bool = False) -> str:
-    """The layout a build writes: panels for aoti engines on those CPU targets, with the
-    quantized linears in pair panels too on AVX2 (the integer kernel's target) when
-    `quantized` (a quantized engine of 16-bit activations)."""
-    if backend != "aoti" or device != "cpu" or isa not in _PANEL_ISAS:
+    """The layout a build writes for aoti engines on CPU targets: float linears in panels
+    where the panel kernel wins (_PANEL_ISAS), and when `quantized` (a quantized engine of
+    16-bit activations) the quantized linears in pair panels where an integer kernel reads
+    them (_QPANEL_LAYOUT)."""
+    if backend != "aoti" or device != "cpu":
         return "rows"
-    return "panels16qh" if quantized and isa == "avx2" else "panels16"
+    if quantized and isa in _QPANEL_LAYOUT:
+        return _QPANEL_LAYOUT[isa]
+    return "panels16" if isa in _PANEL_ISAS else "rows"
 
 
 def rank_shard(rank: int) -> str:

@@ -16,7 +16,8 @@ ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 ISA_FLAGS = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512_bf16": {"avx512_bf16"},
+    # every CPU with a bf16 dot product has VNNI (the pair panels' int16 dot product)
+    "avx512_bf16": {"avx512_bf16", "avx512_vnni"},
     "amx": {"amx_tile", "amx_bf16"},
 }
 DEVICES = ("cpu", "cuda")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from contract.layout import QPANEL_LAYOUTS, rank_shard
+from contract.layout import FLOAT_PANEL_LAYOUTS, QHEAD_LAYOUTS, QPANEL_LAYOUTS, rank_shard
 from contract.quant import NONE, Quantization, QuantSpec
 from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
@@ -34,7 +34,8 @@ def convert_checkpoint(
     """Write out_dir/rank{N}.safetensors for every rank and out_dir/config.json; with
     `weight_layout` "panels16" the decoder layers' float linears are stored in panels, with
     "panels16q" their quantized linears in pair panels too (where their shapes allow), with
-    "panels16qh" a quantized LM head as well."""
+    "panels16qh" a quantized LM head as well; "rowsqh" is "panels16qh" with float weights
+    left row-major (contract/layout.py)."""
     progress = progress or Progress.silent()
     cfg, hf_cfg = read_model_config(src)
     cfg.check_tp(tp)
@@ -51,11 +52,11 @@ def convert_checkpoint(
     panel_names = [r.name for r in rules_for(cfg) if is_panel_weight(r, cfg, quant, tp)]
     qpanel_specs = {r.name.removesuffix(".weight"): quant_spec_for(r, cfg, quant)
                     for r in rules_for(cfg)
-                    if is_qpanel_weight(r, cfg, quant, head=weight_layout == "panels16qh")}
+                    if is_qpanel_weight(r, cfg, quant, head=weight_layout in QHEAD_LAYOUTS)}
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
             shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)
-            if weight_layout in ("panels16", *QPANEL_LAYOUTS):
+            if weight_layout in FLOAT_PANEL_LAYOUTS:
                 for name in panel_names:
                     shard[name] = pack_panels(shard[name])
             if weight_layout in QPANEL_LAYOUTS:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from contract.errors import BuildError
-from contract.layout import QPANEL_LAYOUTS
+from contract.layout import QHEAD_LAYOUTS, QPANEL_LAYOUTS
 from contract.quant import PACK, SCHEMES, Quantization, QuantSpec
 
 SUFFIXES = ("qweight", "scales", "mins")
@@ -252,7 +252,7 @@ def runs_here(quant: Quantization, backend: str, device: str, has_kernels: bool,
             return False, (f"the engine is quantized ({quant.describe()}) but carries no "
                            "kernels library for its quantized linears")
         if weight_layout in QPANEL_LAYOUTS and quant.linear:  # contract/layout.py
-            head = " and LM head" if weight_layout == "panels16qh" and quant.lm_head else ""
+            head = " and LM head" if weight_layout in QHEAD_LAYOUTS and quant.lm_head else ""
             return True, (f"{quant.describe()}; aotllm::linear_qpanel ({quant.linear.kind} "
                           f"pair panels{head})")
         return True, f"{quant.describe()}; aotllm::linear_{quant.linear.kind if quant.linear else ''}"

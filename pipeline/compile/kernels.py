@@ -27,8 +27,8 @@ _ISA_FLAGS = {
     "baseline": ["-march=x86-64"],
     "avx2": ["-march=x86-64-v3"],
     "avx512": ["-march=x86-64-v4"],
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16"],
-    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
 }
 LIB_NAME = "libaotllm_kernels.so"
 

@@ -1,6 +1,8 @@
 // y = x W^T (+ b) with W quantized and stored at build time in pair panels: the "panels16q"
-// layout of AVX2 targets (contract/layout.py; runtime/models/panels.py pack_qpanels writes
-// it). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
+// layouts of AVX2 targets and "rowsqh" of AVX512-BF16 ones (contract/layout.py;
+// runtime/models/panels.py pack_qpanels writes it). This file is the AVX2 kernel and the op;
+// AVX-512 targets run qpanel_vnni.h (up to kVnniMaxRows rows; bf16 prompts beyond that
+// dequantize W once for oneDNN's GEMM). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
 // k: one 32-byte row (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
 //
 // Why: with the row-major weights of layout 1 (quant_int16.h), every run of 32 weights is
@@ -22,7 +24,7 @@
 // x is requantized to int16 per run of 32 as on the row path (quant_int16.h: an error 128x
 // below the input's own bf16 rounding); float32 inputs, which would notice it, and targets
 // without AVX2 take the weights dequantized to float32 and at::linear (correct, not fast:
-// builds choose this layout for AVX2 targets only, where 16-bit models run the fast path).
+// builds choose these layouts for 16-bit models only, on targets with a fast path).
 //
 // int4 zero points: symmetric (no mins) subtracts 8 from the widened weights; with mins
 // (Q4_1), each run adds min x (the run's sum of x), the float term of W = q * s + min.
@@ -35,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "qpanel_vnni.h"
 #include "quant_int16.h"
 #include "quant_weight.h"
 
@@ -47,6 +50,11 @@ namespace {
 using namespace aotllm;  // NOLINT: QWeight, half_to_float, quantize_runs_int16
 
 constexpr int64_t kCols = 16;  // contract/layout.py PANEL_COLUMNS
+// Input rows up to which the AVX-512 integer passes (qpanel_vnni.h) beat dequantizing W
+// to bf16 for oneDNN's GEMM. Measured (SmolLM2's 30 layers, int8 / int4 g32, 2 threads, Xeon
+// with AMX, ms, two rounds): 32 rows 23-25 against 33-37, 48 rows 33 against 35-40, 64 rows
+// 42-44 against 39-43, 128 rows 76-84 against 45-48.
+constexpr int64_t kVnniMaxRows = 48;
 
 // W[n, k] as float32, read through the pair-panel layout (the portable path, and tests).
 float value_at(const QWeight& w, int64_t n, int64_t k) {
@@ -142,23 +150,6 @@ inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const uint8_t* w
   }
 }
 
-// An int4 panel (K / 2 pairs of 16 bytes) as int8 pairs (32 bytes each, the int8 layout):
-// low nibbles are values 0..15 of a pair, high nibbles 16..31; the symmetric zero point
-// (8) subtracted here, so the int8 pass computes the very integer sums the int4 pass does.
-// Done once per panel when a call has more rows than one pass takes: the int4 pass widens
-// the nibbles again for every kRowsQ rows (a 128-token prompt: 43 times).
-template <bool kSym>
-void unpack_int4_panel(const uint8_t* wp, int64_t K, int8_t* dst) {
-  const __m128i m4 = _mm_set1_epi8(15), zp = _mm_set1_epi8(kSym ? 8 : 0);
-  for (int64_t t = 0; t < K / 2; ++t) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 16));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), zp);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), zp);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32), lo);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32 + 16), hi);
-  }
-}
-
 // x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32 sums.
 template <bool kInt4, bool kSym, typename X>
 void gemm_qpanels(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
@@ -232,7 +223,26 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (dt == at::kBFloat16 || dt == at::kHalf) {
+    const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+#if defined(__AVX512BF16__)
+    if (M > kVnniMaxRows && dt == at::kBFloat16) {  // prompts: dequantize once, oneDNN's GEMM
+      at::Tensor wt = at::empty({K, N}, x.options());
+      dequant_qpanels_kn(w, wt.data_ptr<at::BFloat16>());
+      return at::linear(xc, wt.t(), b);
+    }
+#endif
+    at::Tensor y = at::empty(out_shape, x.options());
+    if (dt == at::kBFloat16)
+      gemm_qpanels_512(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
+    else
+      gemm_qpanels_512(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
+    return y;
+  }
+#elif defined(__AVX2__)
   if (dt == at::kBFloat16 || dt == at::kHalf) {
     const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from contract.layout import QPANEL_LAYOUTS, WEIGHT_LAYOUTS
+from contract.layout import FLOAT_PANEL_LAYOUTS, QHEAD_LAYOUTS, QPANEL_LAYOUTS, WEIGHT_LAYOUTS
 from contract.quant import NONE, Quantization
 from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.models.config import ModelConfig
@@ -103,10 +103,10 @@ class LlamaForCausalLM(nn.Module):
         if weight_layout not in WEIGHT_LAYOUTS or (weight_layout != "rows" and not use_kernels):
             raise ValueError(f"weight layout {weight_layout!r} needs our kernels and one of "
                              f"{', '.join(WEIGHT_LAYOUTS)}")
-        panels = weight_layout in ("panels16", *QPANEL_LAYOUTS)
+        panels = weight_layout in FLOAT_PANEL_LAYOUTS
         head_panels = panels and head_in_panels(cfg, tp.size, quant)
         # The decoder layers' linears: float ones in panels; quantized ones in pair panels
-        # with "panels16q"/"panels16qh" only ("panels16" engines keep them row-major).
+        # with the QPANEL_LAYOUTS only ("panels16" engines keep them row-major).
         layer_panels = panels if quant.linear is None else weight_layout in QPANEL_LAYOUTS
         vocab_local = cfg.vocab_size // tp.size
         embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
@@ -118,10 +118,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be
         # split differently); it keeps every parameter a plain, independently bound tensor.
-        # A quantized head in pair panels with "panels16qh" (its rows at 16 rows a step took
-        # a fifth of a Q4_0 engine's decode step).
+        # A quantized head in pair panels with the QHEAD_LAYOUTS (its rows at 16 rows a step
+        # took a fifth of a Q4_0 engine's decode step).
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
-                                      head_panels or (weight_layout == "panels16qh"
+                                      head_panels or (weight_layout in QHEAD_LAYOUTS
                                                       and quant.lm_head is not None))
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
 

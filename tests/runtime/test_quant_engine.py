@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from contract.layout import QPANEL_LAYOUTS, weight_layout_for
+from contract.layout import QHEAD_LAYOUTS, QPANEL_LAYOUTS, weight_layout_for
 from contract.manifest import read_manifest
 from contract.profile import BuildProfile
 from contract.quant import Quantization
@@ -42,9 +42,9 @@ from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 
 PROFILE = BuildProfile(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=4)
 # name -> (backend, tp, --quant, --quant-group-size, --quant-lm-head[, --dtype]); float32
-# unless named: bf16 aoti engines on AVX2 hosts store their linears in pair panels
-# ("panels16qh": the quantized LM head too; runtime/kernels/qpanel_linear.cpp), float32
-# ones keep layout-1 rows.
+# unless named: bf16 aoti engines on AVX2 and AVX512-BF16 hosts store their linears in pair
+# panels ("panels16qh", "rowsqh": the quantized LM head too; runtime/kernels/qpanel_linear.cpp),
+# float32 ones keep layout-1 rows.
 ENGINES = {
     "eager-int8-tp1": ("eager", 1, "int8_wo", None, "none"),
     "eager-int8-tp2": ("eager", 2, "int8_wo", None, "none"),
@@ -166,12 +166,12 @@ def test_bf16_engines_read_pair_panels_as_the_reference_reads_rows(
     name = "layers.0.mlp.down_proj.qweight"
     assert torch.equal(ours[name], rows[name]) == (want not in QPANEL_LAYOUTS)
     # rank 1's slice of the vocabulary-parallel int8 head, in pair panels of its own
-    assert torch.equal(ours["lm_head.qweight"], rows["lm_head.qweight"]) == (want != "panels16qh")
+    assert torch.equal(ours["lm_head.qweight"], rows["lm_head.qweight"]) == (want not in QHEAD_LAYOUTS)
     # The int8 LM head in pair panels as well; the embedding keeps its rows (tied, it has
     # its own copy in the shard), which the lookup reads.
     rows = load_file(str(engines["eager-bf16-int4+8-tp1"] / "rank0.safetensors"))
     ours = load_file(str(engines["aoti-bf16-int4+8-tp1"] / "rank0.safetensors"))
-    assert torch.equal(ours["lm_head.qweight"], rows["lm_head.qweight"]) == (want != "panels16qh")
+    assert torch.equal(ours["lm_head.qweight"], rows["lm_head.qweight"]) == (want not in QHEAD_LAYOUTS)
     embed = [k for k in rows if k.startswith("embed_tokens.")]
     assert embed and all(torch.equal(ours[k], rows[k]) for k in embed)
     for a, b in (("aoti-bf16-int4+8-tp1", "eager-bf16-int4+8-tp1"),

@@ -96,14 +96,15 @@ def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engin
     assert engine_inputs(**common, weight_layout="rows") == rows  # older ids unchanged
     assert engine_id(engine_inputs(**common, weight_layout="panels16")) != engine_id(rows)
     ids = {engine_id(engine_inputs(**common, weight_layout=layout))
-           for layout in ("rows", "panels16", "panels16q", "panels16qh")}
-    assert len(ids) == 4
+           for layout in ("rows", "panels16", "panels16q", "panels16qh", "rowsqh")}
+    assert len(ids) == 5
     # the layout an aoti build chooses: panels where no native bf16 dot product exists
     assert [weight_layout_for("aoti", "cpu", isa) for isa in ISA_LEVELS] == [
         "rows", "panels16", "panels16", "rows", "rows"]
-    # quantized engines: the integer pair panels where their kernel runs (AVX2)
+    # quantized engines: the integer pair panels where their kernels run (AVX2; VNNI with
+    # AVX512-BF16, whose float weights stay row-major)
     assert [weight_layout_for("aoti", "cpu", isa, quantized=True) for isa in ISA_LEVELS] == [
-        "rows", "panels16qh", "panels16", "rows", "rows"]
+        "rows", "panels16qh", "panels16", "rowsqh", "rowsqh"]
     assert weight_layout_for("eager", "cpu", "avx2") == "rows"
     assert weight_layout_for("aoti", "cuda", None) == "rows"
 
