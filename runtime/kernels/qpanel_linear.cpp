@@ -1,8 +1,8 @@
 // y = x W^T (+ b) with W quantized and stored at build time in pair panels: the "panels16q"
 // layouts of AVX2 targets and "rowsqh" of AVX512-BF16 ones (contract/layout.py;
 // runtime/models/panels.py pack_qpanels writes it). This file is the AVX2 kernel and the op;
-// AVX-512 targets run qpanel_vnni.h (up to kVnniMaxRows rows; bf16 prompts beyond that
-// dequantize W once for oneDNN's GEMM). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
+// AVX-512 targets run qpanel_vnni.h, and bf16 batches qpanel_amx.h where AMX is (without it,
+// bf16 prompts beyond kVnniMaxRows rows dequantize W once for oneDNN's GEMM). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
 // k: one 32-byte row (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
 //
 // Why: with the row-major weights of layout 1 (quant_int16.h), every run of 32 weights is
@@ -37,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "qpanel_amx.h"
 #include "qpanel_vnni.h"
 #include "quant_int16.h"
 #include "quant_weight.h"
@@ -55,6 +56,11 @@ constexpr int64_t kCols = 16;  // contract/layout.py PANEL_COLUMNS
 // with AMX, ms, two rounds): 32 rows 23-25 against 33-37, 48 rows 33 against 35-40, 64 rows
 // 42-44 against 39-43, 128 rows 76-84 against 45-48.
 constexpr int64_t kVnniMaxRows = 48;
+// Input rows from which AMX (qpanel_amx.h, dequantizing each weight once a call) beats the
+// VNNI passes. Measured (same 30 layers, ms, AMX / VNNI, two rounds): int8 8 rows 12.2-12.4 /
+// 7.3-7.8, 16 rows 12.1 / 12.3-12.4, 32 rows 13.4-13.6 / 21.6, 128 rows 23.8-24.1 / 44-50;
+// int4 8 rows 9.0-9.4 / 9.7-10.1, 16 rows 8.8-9.8 / 14.3-14.6, 128 rows 21 / 41-44.
+constexpr int64_t kAmxMinRows8 = 16, kAmxMinRows4 = 8;
 
 // W[n, k] as float32, read through the pair-panel layout (the portable path, and tests).
 float value_at(const QWeight& w, int64_t n, int64_t k) {
@@ -228,6 +234,13 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
     const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (M >= (int4 ? kAmxMinRows4 : kAmxMinRows8) && dt == at::kBFloat16 && amx_ready()) {
+      at::Tensor y = at::empty(out_shape, x.options());
+      gemm_qpanels_amx(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
+      return y;
+    }
+#endif
 #if defined(__AVX512BF16__)
     if (M > kVnniMaxRows && dt == at::kBFloat16) {  // prompts: dequantize once, oneDNN's GEMM
       at::Tensor wt = at::empty({K, N}, x.options());

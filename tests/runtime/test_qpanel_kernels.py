@@ -50,8 +50,9 @@ def test_pair_panel_linear_matches_the_reference(lib: Path, spec: QuantSpec, dty
     w = dequantize_packed(p["qweight"], p["scales"], p.get("mins"), qt.group, torch.float32)
     q, s, m = pack_qpanels(p["qweight"], p["scales"], p.get("mins"))
     b = torch.randn(n).to(dtype) if bias else None
-    # 1-3 rows: one pass of the kernel; 4, 17, 64: several and a short last one
-    for rows in (1, 2, 3, 4, 17, 64):
+    # 1-3 rows: one pass of the kernel; 4, 17, 64: several and a short last one; with AMX
+    # (bf16, from 8 or 16 rows) 17 pads a tile of rows, 80 takes two groups of tiles
+    for rows in (1, 2, 3, 4, 17, 64, 80):
         x = torch.randn(rows, k)
         x[:, ::97] *= 50  # outlier features stretch each run's int16 scale
         x = x.to(dtype)
