@@ -43,7 +43,9 @@ inline void amx_config() {
   _tile_loadconfig(cfg);
 }
 
-// Run r of panel p as the B tile's 1 KiB: pair t's 16 columns x (k even, k odd) bf16.
+// Run r of panel p as the B tile's 1 KiB: pair t's 16 columns x (k even, k odd) bf16. The
+// weights are prefetched as in the VNNI passes: without it the dequantization waited on
+// memory (30 layers, 16 rows, ms: int8 12.2-12.4 -> 9.6-9.8, int4 9.5-9.8 -> 6.7-7.1).
 inline void dequant_run_tile(const QWeight& w, int64_t p, int64_t r, int64_t g, uint16_t* tile) {
   const int64_t K = w.K;
   alignas(64) static const int32_t lo_idx[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
@@ -56,19 +58,20 @@ inline void dequant_run_tile(const QWeight& w, int64_t p, int64_t r, int64_t g, 
   const __m512 sl = _mm512_permutexvar_ps(il, s), sh = _mm512_permutexvar_ps(ih, s);
   const __m512 ml = _mm512_permutexvar_ps(il, mn), mh = _mm512_permutexvar_ps(ih, mn);
   const uint8_t* wr = w.q + p * kVCols * (w.int4 ? K / 2 : K) + r * kRun * kVCols / (w.int4 ? 2 : 1);
+  prefetch_ahead(wr, kRun * kVCols / (w.int4 ? 2 : 1));
   for (int64_t t = 0; t < kRun / 2; ++t) {
-    __m256i lo, hi;  // int16: columns 0-7 and 8-15, (k even, k odd) each
+    // int32: columns 0-7 and 8-15, (k even, k odd) each, widened straight from memory
+    __m512i lo, hi;
     if (w.int4) {
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 16)));
-      lo = _mm256_and_si256(b, _mm256_set1_epi16(15));
-      hi = _mm256_srli_epi16(b, 4);
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 16)));
+      lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+      hi = _mm512_srli_epi32(b, 4);
     } else {
-      const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + t * 32)));
-      lo = _mm512_castsi512_si256(v);
-      hi = _mm512_extracti64x4_epi64(v, 1);
+      lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 32)));
+      hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 32 + 16)));
     }
-    const __m512 fl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)), sl, ml);
-    const __m512 fh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), sh, mh);
+    const __m512 fl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sl, ml);
+    const __m512 fh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sh, mh);
     _mm512_store_si512(tile + t * 32, (__m512i)_mm512_cvtne2ps_pbh(fh, fl));
   }
 }

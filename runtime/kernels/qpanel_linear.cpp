@@ -59,7 +59,8 @@ constexpr int64_t kVnniMaxRows = 48;
 // Input rows from which AMX (qpanel_amx.h, dequantizing each weight once a call) beats the
 // VNNI passes. Measured (same 30 layers, ms, AMX / VNNI, two rounds): int8 8 rows 12.2-12.4 /
 // 7.3-7.8, 16 rows 12.1 / 12.3-12.4, 32 rows 13.4-13.6 / 21.6, 128 rows 23.8-24.1 / 44-50;
-// int4 8 rows 9.0-9.4 / 9.7-10.1, 16 rows 8.8-9.8 / 14.3-14.6, 128 rows 21 / 41-44.
+// int4 8 rows 9.0-9.4 / 9.7-10.1, 16 rows 8.8-9.8 / 14.3-14.6, 128 rows 21 / 41-44. With the
+// AMX dequantization prefetching (qpanel_amx.h): int8 16 rows 9.6-9.8, int4 8 rows 8.2-8.3.
 constexpr int64_t kAmxMinRows8 = 16, kAmxMinRows4 = 8;
 
 // W[n, k] as float32, read through the pair-panel layout (the portable path, and tests).
