@@ -69,11 +69,15 @@ def ours_spec(
     return ServerSpec(name or f"ours-tp{tp}", argv, port, "/health/ready")
 
 
-def llama_spec(gguf: Path, port: int, parallel: int = 16, ctx_per_slot: int = 512) -> ServerSpec:
+def llama_spec(gguf: Path, port: int, parallel: int = 16, ctx_per_slot: int = 512,
+               repack: bool = True) -> ServerSpec:
+    """`repack` False: llama.cpp keeps the file's blocks as they are (--no-repack) instead of
+    repacking them for its CPU kernels (AMX's, where the CPU has it)."""
     # -c is the total context, split evenly across the -np slots.
     argv = (
         str(llama_server_bin()), "-m", str(gguf), "-np", str(parallel), "-t", "2", "-tb", "2",
         "-c", str(parallel * ctx_per_slot), "--host", "127.0.0.1", "--port", str(port),
+        *(() if repack else ("--no-repack",)),
     )  # fmt: skip
     return ServerSpec("llama-server", argv, port, "/health")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench import common
 from bench.servers import ServerSpec, llama_spec, ours_spec, vllm_spec
+from runtime.host import cpu_flags
 
 SYSTEMS = ("ours-tp1", "ours-tp1-nowarmup", "ours-tp2", "llama-server", "vllm")
 # `--quant` adds these (issue 12): our int8_wo / int4_wo engines built from llama.cpp's own
@@ -81,7 +82,11 @@ def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str], skip: Sequence[str]
             out.append(Planned(name, None, why))
         elif quant is None:
             if common.llama_server_bin().exists():
-                spec = replace(llama_spec(gguf, common.free_port()), name=name)
+                # On CPUs with AMX-INT8 llama.cpp repacks Q8_0/Q4_0 for its AMX kernels, which
+                # died with SIGILL at the first batch on the Xeon of stops 27-28; the blocks as
+                # stored run (its AVX-512 dot products), so the peer is measured that way there.
+                repack = "amx_int8" not in cpu_flags()
+                spec = replace(llama_spec(gguf, common.free_port(), repack=repack), name=name)
                 out.append(Planned(name, spec, levels=QUANT_LEVELS))
             else:
                 out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))

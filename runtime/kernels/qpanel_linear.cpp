@@ -207,6 +207,19 @@ void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, X* y, int
 }
 #endif
 
+// The integer passes of this target: AVX-512's (qpanel_vnni.h) or AVX2's (above).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename X>
+void gemm_integer(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  gemm_qpanels_512(w, x, bias, y, M);
+}
+#elif defined(__AVX2__)
+template <typename X>
+void gemm_integer(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+  gemm_qpanels_any(w, x, bias, y, M);
+}
+#endif
+
 at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins,
                          const std::optional<at::Tensor>& b, int64_t group) {
@@ -230,7 +243,7 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
   if (dt == at::kBFloat16 || dt == at::kHalf) {
     const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -251,21 +264,9 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
 #endif
     at::Tensor y = at::empty(out_shape, x.options());
     if (dt == at::kBFloat16)
-      gemm_qpanels_512(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
+      gemm_integer(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
     else
-      gemm_qpanels_512(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
-    return y;
-  }
-#elif defined(__AVX2__)
-  if (dt == at::kBFloat16 || dt == at::kHalf) {
-    const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
-    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-    at::Tensor y = at::empty(out_shape, x.options());
-    if (dt == at::kBFloat16)
-      gemm_qpanels_any(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
-    else
-      gemm_qpanels_any(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
+      gemm_integer(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
     return y;
   }
 #endif
