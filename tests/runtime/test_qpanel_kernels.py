@@ -92,3 +92,23 @@ def test_bad_shapes_are_errors_not_garbage(lib: Path) -> None:
         torch.ops.aotllm.linear_qpanel(torch.randn(1, 64), q[:24], s[:24], None, None, 32)
     with pytest.raises(RuntimeError, match="mins: int4 only"):
         torch.ops.aotllm.linear_qpanel(torch.randn(1, 64), q, s, s[:, :1].contiguous(), None, 32)
+
+
+def test_amx_tiles_and_onednn_share_threads(lib: Path) -> None:
+    """Our AMX passes (bf16 batches, where the host has AMX) load their tile configuration
+    per call and release it; oneDNN's bf16 GEMMs on the same threads load theirs. Interleaved,
+    each keeps giving the same numbers (a stale configuration would change them or fault)."""
+    torch.manual_seed(3)
+    qt = quantize(torch.randn(1024, 576) / 24, QuantSpec("int4", 32))
+    p = qt.packed()
+    q, s, _ = pack_qpanels(p["qweight"], p["scales"], None)
+    w2 = torch.randn(512, 576).to(torch.bfloat16)
+    x = torch.randn(96, 576).to(torch.bfloat16)
+    counts = (8, 17, 40, 64, 96)  # each path's row counts (the paths differ in rounding)
+    want_a = torch.nn.functional.linear(x, w2)
+    want_b = {n: torch.ops.aotllm.linear_qpanel(x[:n], q, s, None, None, 32) for n in counts}
+    for i in range(40):
+        rows = counts[i % len(counts)]
+        assert torch.equal(torch.nn.functional.linear(x, w2), want_a), i
+        assert torch.equal(torch.ops.aotllm.linear_qpanel(x[:rows], q, s, None, None, 32),
+                           want_b[rows]), i
