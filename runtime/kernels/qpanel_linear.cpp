@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "qpanel_amx.h"
+#include "qpanel_dequant.h"
 #include "qpanel_vnni.h"
 #include "quant_int16.h"
 #include "quant_weight.h"
