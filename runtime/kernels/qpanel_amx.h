@@ -14,7 +14,7 @@
 // state once (arch_prctl); where that is refused the caller takes the VNNI passes.
 #pragma once
 
-#include "qpanel_vnni.h"
+#include "qpanel_dequant.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
@@ -41,39 +41,6 @@ inline void amx_config() {
     cfg[48 + t] = 16;      // rows
   }
   _tile_loadconfig(cfg);
-}
-
-// Run r of panel p as the B tile's 1 KiB: pair t's 16 columns x (k even, k odd) bf16. The
-// weights are prefetched as in the VNNI passes: without it the dequantization waited on
-// memory (30 layers, 16 rows, ms: int8 12.2-12.4 -> 9.6-9.8, int4 9.5-9.8 -> 6.7-7.1).
-inline void dequant_run_tile(const QWeight& w, int64_t p, int64_t r, int64_t g, uint16_t* tile) {
-  const int64_t K = w.K;
-  alignas(64) static const int32_t lo_idx[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-  alignas(64) static const int32_t hi_idx[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
-  const __m512 s = group_vec(w.scales, p, w.groups, g);
-  const __m512 mn = w.mins ? group_vec(w.mins, p, w.groups, g)
-                           : (w.int4 ? _mm512_mul_ps(s, _mm512_set1_ps(-8.f)) : _mm512_setzero_ps());
-  // the scales and zero points of columns 0-7 and 8-15, each twice (k even, k odd)
-  const __m512 sl = _mm512_permutexvar_ps(il, s), sh = _mm512_permutexvar_ps(ih, s);
-  const __m512 ml = _mm512_permutexvar_ps(il, mn), mh = _mm512_permutexvar_ps(ih, mn);
-  const uint8_t* wr = w.q + p * kVCols * (w.int4 ? K / 2 : K) + r * kRun * kVCols / (w.int4 ? 2 : 1);
-  prefetch_ahead(wr, kRun * kVCols / (w.int4 ? 2 : 1));
-  for (int64_t t = 0; t < kRun / 2; ++t) {
-    // int32: columns 0-7 and 8-15, (k even, k odd) each, widened straight from memory
-    __m512i lo, hi;
-    if (w.int4) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 16)));
-      lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
-      hi = _mm512_srli_epi32(b, 4);
-    } else {
-      lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 32)));
-      hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + t * 32 + 16)));
-    }
-    const __m512 fl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sl, ml);
-    const __m512 fh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sh, mh);
-    _mm512_store_si512(tile + t * 32, (__m512i)_mm512_cvtne2ps_pbh(fh, fl));
-  }
 }
 
 // C tiles 0..NB-1 += x's row blocks (16 rows each, stride K) x run r's B tile.

@@ -2,8 +2,9 @@
 // layouts of AVX2 targets and "rowsqh" of AVX512-BF16 ones (contract/layout.py;
 // runtime/models/panels.py pack_qpanels writes it). This file is the AVX2 kernel and the op;
 // AVX-512 targets run qpanel_vnni.h, and bf16 batches qpanel_amx.h where AMX is (without it,
-// bf16 prompts beyond kVnniMaxRows rows dequantize W once for oneDNN's GEMM). Panels of 16 output columns, K-major, each column's weights interleaved by pairs of
-// k: one 32-byte row (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
+// bf16 prompts beyond kVnniMaxRows rows dequantize W once for oneDNN's GEMM). Panels of 16
+// output columns, K-major, each column's weights interleaved by pairs of k: one 32-byte row
+// (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
 //
 // Why: with the row-major weights of layout 1 (quant_int16.h), every run of 32 weights is
 // dotted with an input row and its integer sum scaled on its own: two loads of x, two
