@@ -13,11 +13,13 @@ from bench.servers import ServerSpec, llama_spec, ours_spec, vllm_spec
 from runtime.host import cpu_flags
 
 SYSTEMS = ("ours-tp1", "ours-tp1-nowarmup", "ours-tp2", "llama-server", "vllm")
-# `--quant` adds these (issue 12): our int8_wo / int4_wo engines built from llama.cpp's own
-# Q8_0 / Q4_0 GGUFs (`make bench-peers` makes them from the bf16 GGUF), so both sides
-# multiply by exactly the same weights, and llama-server on each file.
-QUANT_SYSTEMS = ("ours-tp1-int8", "ours-tp1-int4", "llama-server-q8_0", "llama-server-q4_0")
+# `--quant` adds these (issue 12): our int8_wo / int4_wo engines at TP=1 and TP=2 built from
+# llama.cpp's own Q8_0 / Q4_0 GGUFs (`make bench-peers` makes them from the bf16 GGUF), so
+# both sides multiply by exactly the same weights, and llama-server on each file.
+QUANT_SYSTEMS = ("ours-tp1-int8", "ours-tp1-int4", "ours-tp2-int8", "ours-tp2-int4",
+                 "llama-server-q8_0", "llama-server-q4_0")
 QUANT_OF = {"ours-tp1-int8": ("Q8_0", "int8_wo"), "ours-tp1-int4": ("Q4_0", "int4_wo"),
+            "ours-tp2-int8": ("Q8_0", "int8_wo"), "ours-tp2-int4": ("Q4_0", "int4_wo"),
             "llama-server-q8_0": ("Q8_0", None), "llama-server-q4_0": ("Q4_0", None)}
 QUANT_LEVELS = (1, 16)  # the concurrencies issue 12's targets name
 
@@ -34,7 +36,7 @@ BUDGET_S = {
 }
 QUICK_BUDGET_S = 240.0
 TOTAL_BUDGET_S = 38 * 60.0  # the whole run, builds included; 2 minutes kept for the report
-QUANT_BUDGET_S = 28 * 60.0  # what `--quant` adds: two engine builds and four systems
+QUANT_BUDGET_S = 40 * 60.0  # what `--quant` adds: four engine builds and six systems
 # vLLM's compile cache for the run, emptied before its launch (see fresh_vllm_cache).
 VLLM_CACHE = common.cache_dir() / "vllm-compile-cache"
 
@@ -49,7 +51,7 @@ class Planned:
 
 
 def tp_of(name: str) -> int:
-    return 2 if name == "ours-tp2" else 1
+    return 2 if name.startswith("ours-tp2") else 1
 
 
 def build_engine(
@@ -92,11 +94,11 @@ def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str], skip: Sequence[str]
                 out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))
         else:
             try:
-                engine = build_engine(sh, gguf, 1, quant)
+                engine = build_engine(sh, gguf, tp_of(name), quant)
             except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
                 out.append(Planned(name, None, f"engine build failed: {exc}"))
                 continue
-            spec = ours_spec(engine, common.free_port(), 1, "auto", name)
+            spec = ours_spec(engine, common.free_port(), tp_of(name), "auto", name)
             out.append(Planned(name, spec, levels=QUANT_LEVELS))
     return out
 

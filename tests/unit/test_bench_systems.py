@@ -35,11 +35,14 @@ def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
 
     planned = {p.name: p for p in systems.plan_quant(hf_dir, sh)}
     assert list(planned) == list(systems.QUANT_SYSTEMS)
-    assert len(built) == 1 and built[0][built[0].index("build") + 1] == str(q8)
-    assert built[0][built[0].index("--quant") + 1] == "int8_wo"
-    ours = planned["ours-tp1-int8"]
-    assert ours.spec is not None and ours.levels == systems.QUANT_LEVELS
-    assert str(tmp_path / "engine-int8") in ours.spec.argv
+    # int8_wo at TP=1 and TP=2, both from the Q8_0 file, each launched at its TP
+    assert len(built) == 2 and all(b[b.index("build") + 1] == str(q8) for b in built)
+    assert [(b[b.index("--quant") + 1], b[b.index("--tp") + 1]) for b in built] == [
+        ("int8_wo", "1"), ("int8_wo", "2")]
+    for name, tp in (("ours-tp1-int8", "1"), ("ours-tp2-int8", "2")):
+        ours = planned[name].spec
+        assert ours is not None and planned[name].levels == systems.QUANT_LEVELS
+        assert str(tmp_path / "engine-int8") in ours.argv and ours.argv[ours.argv.index("-n") + 1] == tp
     assert planned["ours-tp1-int4"].spec is None
     assert "SmolLM2-135M-Instruct-Q4_0.gguf missing" in planned["ours-tp1-int4"].why
     # llama-server is not built in this cache: skipped with its status, not launched
@@ -47,6 +50,6 @@ def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
     assert "not installed" in planned["llama-server-q8_0"].why
     # A quantized system named on --skip is neither built nor launched.
     built.clear()
-    planned = {p.name: p for p in systems.plan_quant(hf_dir, sh, ["ours-tp1-int8"])}
+    planned = {p.name: p for p in systems.plan_quant(hf_dir, sh, ["ours-tp1-int8", "ours-tp2-int8"])}
     assert built == [] and planned["ours-tp1-int8"].spec is None
     assert planned["ours-tp1-int8"].why == "skipped on the command line"
