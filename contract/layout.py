@@ -40,8 +40,13 @@ KERNELS_LIB = "kernels.so"
 # "rowsqh" is "rows" for float weights with the quantized linears and LM head in pair panels:
 # what AVX512-BF16/AMX targets read (float GEMMs there run `vdpbf16ps` and oneDNN on
 # row-major weights, the pair panels `vpdpwssd`: runtime/kernels/qpanel_vnni.h).
-WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh", "rowsqh")
+# "pairs16" is for bf16 engines on AMX targets: the float linears and LM head in pair panels
+# (16 columns, each column's weights interleaved by pairs of k), whose runs of 32 k are, byte
+# for byte, AMX's B tiles: runtime/kernels/pair_linear.cpp multiplies them as stored (oneDNN
+# on row-major weights repacked them for its tiles in every call: twice the memory's time).
+WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh", "rowsqh", "pairs16")
 FLOAT_PANEL_LAYOUTS = ("panels16", "panels16q", "panels16qh")  # float linears in panels
+FLOAT_PAIR_LAYOUTS = ("pairs16",)  # float linears (and LM head) in pair panels
 QPANEL_LAYOUTS = ("panels16q", "panels16qh", "rowsqh")  # quantized linears in pair panels
 QHEAD_LAYOUTS = ("panels16qh", "rowsqh")  # a quantized LM head in pair panels too
 PANEL_COLUMNS = 16
@@ -52,15 +57,18 @@ _PANEL_ISAS = ("avx2", "avx512")
 _QPANEL_LAYOUT = {"avx2": "panels16qh", "avx512_bf16": "rowsqh", "amx": "rowsqh"}
 
 
-def weight_layout_for(backend: str, device: str, isa: str | None, quantized: bool = False) -> str:
+def weight_layout_for(backend: str, device: str, isa: str | None, quantized: bool = False,
+                      dtype: str | None = None) -> str:
     """The layout a build writes for aoti engines on CPU targets: float linears in panels
-    where the panel kernel wins (_PANEL_ISAS), and when `quantized` (a quantized engine of
-    16-bit activations) the quantized linears in pair panels where an integer kernel reads
-    them (_QPANEL_LAYOUT)."""
+    where the panel kernel wins (_PANEL_ISAS), in pair panels for bf16 engines (`dtype`) on
+    AMX targets, and when `quantized` (a quantized engine of 16-bit activations) the
+    quantized linears in pair panels where an integer kernel reads them (_QPANEL_LAYOUT)."""
     if backend != "aoti" or device != "cpu":
         return "rows"
     if quantized and isa in _QPANEL_LAYOUT:
         return _QPANEL_LAYOUT[isa]
+    if not quantized and isa == "amx" and dtype == "bfloat16":
+        return "pairs16"
     return "panels16" if isa in _PANEL_ISAS else "rows"
 
 

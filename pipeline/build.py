@@ -177,7 +177,7 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
     # Pair panels for quantized 16-bit models: their kernel takes 16-bit inputs (float32
     # ones would be dequantized per call there; layout 1's rows keep a float32 path).
     layout = weight_layout_for(cfg.backend, target.device, target.isa,
-                               quant.enabled and cfg.dtype in ("bfloat16", "float16"))
+                               quant.enabled and cfg.dtype in ("bfloat16", "float16"), cfg.dtype)
     inputs = engine_inputs(
         source_digest=digest,
         backend=cfg.backend,

@@ -8,13 +8,19 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from contract.layout import FLOAT_PANEL_LAYOUTS, QHEAD_LAYOUTS, QPANEL_LAYOUTS, rank_shard
+from contract.layout import (
+    FLOAT_PAIR_LAYOUTS,
+    FLOAT_PANEL_LAYOUTS,
+    QHEAD_LAYOUTS,
+    QPANEL_LAYOUTS,
+    rank_shard,
+)
 from contract.quant import NONE, Quantization, QuantSpec
 from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
-from runtime.models.panels import pack_panels, pack_qpanel_weight
+from runtime.models.panels import pack_pairs, pack_panels, pack_qpanel_weight, pairs_fit
 from runtime.models.sharding import (
     QuantGetter,
     is_panel_weight,
@@ -59,6 +65,10 @@ def convert_checkpoint(
             if weight_layout in FLOAT_PANEL_LAYOUTS:
                 for name in panel_names:
                     shard[name] = pack_panels(shard[name])
+            if weight_layout in FLOAT_PAIR_LAYOUTS:  # the embedding stays row-major (own copy)
+                for name in panel_names:
+                    if name != "embed_tokens.weight" and pairs_fit(*shard[name].shape):
+                        shard[name] = pack_pairs(shard[name])
             if weight_layout in QPANEL_LAYOUTS:
                 for name, spec in qpanel_specs.items():
                     assert spec is not None

@@ -69,6 +69,8 @@ def _register_fakes() -> None:
     def _linear_panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
+    _fake("linear_pairs")(_linear_panel)  # same signature and shapes, another weight order
+
     @_fake("linear_int8")
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      b: torch.Tensor | None, group_size: int) -> torch.Tensor:

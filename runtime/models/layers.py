@@ -12,7 +12,7 @@ from torch import nn
 
 from contract.layout import PANEL_COLUMNS
 from contract.quant import QuantSpec
-from runtime.models.panels import qpanels_fit
+from runtime.models.panels import pairs_fit, qpanels_fit
 from runtime.models.parallel import TPContext
 from runtime.quant import dequantize_packed
 
@@ -26,12 +26,15 @@ class _Weight(nn.Module):
     `scales` and, with a zero point, `mins`; contract/quant.py) when `quant` is given."""
 
     def _init_weight(self, out: int, inp: int, dtype: torch.dtype, quant: QuantSpec | None,
-                     panels: bool = False) -> None:
+                     panels: str = "") -> None:
         self.quant = quant
-        # A float weight stored in panels of 16 columns (runtime/models/panels.py); a
-        # quantized one, in pair panels where its shape fits them (panels.qpanels_fit).
-        self.panels = panels and quant is None
-        self.qpanels = (panels and quant is not None
+        # `panels`: how the build stored the weight (runtime/models/panels.py): "" row-major,
+        # "panels16" (a float weight in K-major panels of 16 columns), "pairs16" (a float
+        # weight in pair panels where its shape fits them: panels.pairs_fit). A quantized
+        # weight given either is in pair panels where its shape fits (panels.qpanels_fit).
+        self.panels = panels == "panels16" and quant is None
+        self.pairs = panels == "pairs16" and quant is None and pairs_fit(out, inp)
+        self.qpanels = (panels != "" and quant is not None
                         and qpanels_fit(out, inp, quant.group_of(inp)))
         if quant is None:
             self.weight = _empty(out, inp, dtype=dtype)
@@ -44,7 +47,7 @@ class _Weight(nn.Module):
 
     def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
         if self.quant is None:
-            return linear(x, self.weight, b, tp, self.panels)
+            return linear(x, self.weight, b, tp, self.panels, self.pairs)
         if self.qpanels:
             return torch.ops.aotllm.linear_qpanel(x, self.qweight, self.scales, self.mins, b,
                                                   self.group)
@@ -52,12 +55,14 @@ class _Weight(nn.Module):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext,
-           panels: bool = False) -> torch.Tensor:
+           panels: bool = False, pairs: bool = False) -> torch.Tensor:
     """x W^T + b: our weight-streaming kernel for the few rows of a decode step when the
     engine has our kernels (it passes larger batches to at::linear itself), or our panel
-    kernel when the build stored W in panels (only engines with our kernels do)."""
+    or pair-panel kernel when the build stored W so (only engines with our kernels do)."""
     if panels:
         return torch.ops.aotllm.linear_panel(x, w, b)
+    if pairs:
+        return torch.ops.aotllm.linear_pairs(x, w, b)
     if tp.use_kernels:
         return torch.ops.aotllm.linear(x, w, b)
     return F.linear(x, w, b)
@@ -78,7 +83,7 @@ class ColumnParallelLinear(_Weight):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPContext,
-                 dtype: torch.dtype, quant: QuantSpec | None = None, panels: bool = False) -> None:
+                 dtype: torch.dtype, quant: QuantSpec | None = None, panels: str = "") -> None:
         super().__init__()
         self._init_weight(out_local, in_features, dtype, quant, panels)
         self.bias = _empty(out_local, dtype=dtype) if bias else None
@@ -93,7 +98,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, hidden: int, head_dim: int, q_heads_local: int, kv_heads_local: int, bias: bool,
-        tp: TPContext, dtype: torch.dtype, quant: QuantSpec | None = None, panels: bool = False,
+        tp: TPContext, dtype: torch.dtype, quant: QuantSpec | None = None, panels: str = "",
     ) -> None:
         super().__init__(hidden, (q_heads_local + 2 * kv_heads_local) * head_dim, bias, tp, dtype,
                          quant, panels)
@@ -112,7 +117,7 @@ class RowParallelLinear(_Weight):
     """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks."""
 
     def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None, panels: bool = False) -> None:
+                 quant: QuantSpec | None = None, panels: str = "") -> None:
         super().__init__()
         self._init_weight(out_features, in_local, dtype, quant, panels)
         self.tp = tp
@@ -128,7 +133,7 @@ class VocabParallelEmbedding(_Weight):
     def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
                  quant: QuantSpec | None = None, panels: bool = False) -> None:
         super().__init__()
-        self._init_weight(vocab_local, hidden, dtype, quant, panels)
+        self._init_weight(vocab_local, hidden, dtype, quant, "panels16" if panels else "")
         self.dtype = dtype
         self.tp = tp
         self.vocab_local = vocab_local
@@ -160,7 +165,7 @@ class ParallelLMHead(_Weight):
     """Logits for the rank's vocabulary slice, gathered so every rank holds all of them."""
 
     def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None, panels: bool = False) -> None:
+                 quant: QuantSpec | None = None, panels: str = "") -> None:
         super().__init__()
         self._init_weight(vocab_local, hidden, dtype, quant, panels)
         self.tp = tp

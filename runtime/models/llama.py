@@ -12,7 +12,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from contract.layout import FLOAT_PANEL_LAYOUTS, QHEAD_LAYOUTS, QPANEL_LAYOUTS, WEIGHT_LAYOUTS
+from contract.layout import (
+    FLOAT_PAIR_LAYOUTS,
+    FLOAT_PANEL_LAYOUTS,
+    QHEAD_LAYOUTS,
+    QPANEL_LAYOUTS,
+    WEIGHT_LAYOUTS,
+)
 from contract.quant import NONE, Quantization
 from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.models.config import ModelConfig
@@ -38,7 +44,7 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: bool = False) -> None:
+                 quant: Quantization = NONE, panels: str = "") -> None:
         super().__init__()
         self.use_kernels = tp.use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
@@ -65,7 +71,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: bool = False) -> None:
+                 quant: Quantization = NONE, panels: str = "") -> None:
         super().__init__()
         inter_local = cfg.intermediate_size // tp.size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, tp,
@@ -79,7 +85,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: bool = False) -> None:
+                 quant: Quantization = NONE, panels: str = "") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, tp, dtype, quant, panels)
@@ -105,24 +111,32 @@ class LlamaForCausalLM(nn.Module):
                              f"{', '.join(WEIGHT_LAYOUTS)}")
         panels = weight_layout in FLOAT_PANEL_LAYOUTS
         head_panels = panels and head_in_panels(cfg, tp.size, quant)
-        # The decoder layers' linears: float ones in panels; quantized ones in pair panels
-        # with the QPANEL_LAYOUTS only ("panels16" engines keep them row-major).
-        layer_panels = panels if quant.linear is None else weight_layout in QPANEL_LAYOUTS
+        # How the build stored each weight (layers._Weight): float linears in K-major panels
+        # or in pair panels; quantized ones in pair panels with the QPANEL_LAYOUTS only
+        # ("panels16" engines keep them row-major).
+        float_fmt = ("pairs16" if weight_layout in FLOAT_PAIR_LAYOUTS
+                     else "panels16" if panels else "")
+        qpairs = "pairs16" if weight_layout in QPANEL_LAYOUTS else ""
+        layer_fmt = float_fmt if quant.linear is None else qpairs
         vocab_local = cfg.vocab_size // tp.size
         embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
                                                    embed_quant,
                                                    head_panels and cfg.tie_word_embeddings)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_panels)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_fmt)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied embeddings are stored twice in the shard (the embedding and the head can be
         # split differently); it keeps every parameter a plain, independently bound tensor.
         # A quantized head in pair panels with the QHEAD_LAYOUTS (its rows at 16 rows a step
-        # took a fifth of a Q4_0 engine's decode step).
+        # took a fifth of a Q4_0 engine's decode step); a float one as the float linears
+        # ("panels16" where head_in_panels).
+        if quant.lm_head is not None:
+            head_fmt = "pairs16" if weight_layout in QHEAD_LAYOUTS else ""
+        else:
+            head_fmt = "panels16" if head_panels else ("pairs16" if float_fmt == "pairs16" else "")
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
-                                      head_panels or (weight_layout in QHEAD_LAYOUTS
-                                                      and quant.lm_head is not None))
+                                      head_fmt)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
 
     def forward(

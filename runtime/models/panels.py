@@ -36,6 +36,28 @@ def unpack_panels(p: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows).contiguous()
 
 
+# bf16 weights in pair panels (the "pairs16" layout of AMX targets): panel p, pair t = k // 2,
+# column j at 16pK + 32t + 2j + k % 2, the order of the quantized ones' values below; each
+# run of 32 k of a panel is one AMX B tile (runtime/kernels/pair_linear.cpp).
+
+
+def pairs_fit(n: int, k: int) -> bool:
+    """Whether a float [n, k] weight (a rank's piece) is stored in pair panels: whole panels
+    and whole runs of 32 (an AMX tile's k)."""
+    return n % PANEL_COLUMNS == 0 and k % 32 == 0
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] row-major -> [N, K] in pair panels (a new contiguous tensor); pairs_fit(N, K)."""
+    return _by_pairs(w).view(w.shape)
+
+
+def unpack_pairs(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_pairs."""
+    n, k = p.shape
+    return p.view(n // PANEL_COLUMNS, k // 2, PANEL_COLUMNS, 2).permute(0, 2, 1, 3).reshape(n, k)
+
+
 # Quantized weights (the "panels16q" layout): panels of 16 output columns whose int8 or
 # int4 values are interleaved by pairs of k, what runtime/kernels/quant_pairs.h reads:
 # `vpmaddwd` multiplies a pair of a column's weights by a broadcast pair of x's int16
@@ -100,9 +122,7 @@ def unpack_qpanels(qweight: torch.Tensor, scales: torch.Tensor,
     """The inverse of pack_qpanels."""
     n = qweight.shape[0]
     if qweight.dtype == torch.int8:
-        k = qweight.shape[1]
-        v = qweight.reshape(n // PANEL_COLUMNS, k // 2, PANEL_COLUMNS, 2)
-        q = v.permute(0, 2, 1, 3).reshape(n, k).contiguous()
+        q = unpack_pairs(qweight).contiguous()
     else:
         k = 2 * qweight.shape[1]
         v = _int4_values(qweight, k).reshape(n // PANEL_COLUMNS, k // 2, PANEL_COLUMNS, 2)

@@ -1,4 +1,5 @@
-"""A compiled (aoti) TP=2 engine computes what the eager engine and transformers compute."""
+"""A compiled (aoti) TP=2 engine computes what the eager engine and transformers compute,
+in float32 and in bf16 (whose linears an AMX host's build stores in pair panels)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from contract.layout import weight_layout_for
+from contract.layout import FLOAT_PAIR_LAYOUTS, weight_layout_for
 from contract.manifest import read_manifest
 from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.host import host_cpu_target
+from runtime.models.panels import unpack_pairs
 from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
@@ -27,9 +30,10 @@ def tiny_tp2_engines(tiny_models: dict[str, Path], tmp_path_factory: pytest.Temp
     store = tmp_path_factory.mktemp("engines")
     out = {}
     for backend in ("aoti", "eager"):
-        cfg = BuildConfig(model=str(tiny_models["llama_kv3"]), tp=2, backend=backend, dtype="float32",
-                          target="cpu", profile=PROFILE, store=str(store))
-        out[backend] = build_engine(cfg).engine_dir
+        for dtype in ("float32", "bfloat16"):
+            cfg = BuildConfig(model=str(tiny_models["llama_kv3"]), tp=2, backend=backend,
+                              dtype=dtype, target="cpu", profile=PROFILE, store=str(store))
+            out[backend + ("-bf16" if dtype == "bfloat16" else "")] = build_engine(cfg).engine_dir
     return out
 
 
@@ -41,7 +45,8 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
     # On an AVX2 / AVX-512F host the aoti build stores the linears in panels (so this test
     # checks the panel kernel); the eager engine keeps them row-major.
     host = host_cpu_target()
-    assert read_manifest(aoti).weight_layout == weight_layout_for("aoti", "cpu", host.isa)
+    assert read_manifest(aoti).weight_layout == weight_layout_for("aoti", "cpu", host.isa,
+                                                                  dtype="float32")
     assert read_manifest(eager).weight_layout == "rows"
     out = tmp_path / "logits.json"
     proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti), str(eager)])
@@ -52,3 +57,27 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
     for row_a, row_e, toks in zip(la, le, REFERENCE_TOKENS):
         assert rel_err(row_a, row_e) < 1e-4
         assert rel_err(row_a, last_logits(tiny_models["llama_kv3"], toks)) < 1e-4
+
+
+def test_aoti_bf16_tp2_engine_matches_eager(tiny_tp2_engines: dict[str, Path], tmp_path: Path) -> None:
+    """bf16: on an AMX host the build stores the linears and the LM head in pair panels
+    (aotllm::linear_pairs multiplies them as AMX tiles), elsewhere in panels or rows; the
+    compiled engine then differs from the eager one (rows, F.linear) by bf16 roundings only."""
+    aoti, eager = tiny_tp2_engines["aoti-bf16"], tiny_tp2_engines["eager-bf16"]
+    want = weight_layout_for("aoti", "cpu", host_cpu_target().isa, dtype="bfloat16")
+    assert read_manifest(aoti).weight_layout == want
+    ours, rows = (load_file(str(e / "rank1.safetensors")) for e in (aoti, eager))
+    for name in ("layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        assert torch.equal(ours[name], rows[name]) == (want not in FLOAT_PAIR_LAYOUTS), name
+        if want in FLOAT_PAIR_LAYOUTS:
+            assert torch.equal(unpack_pairs(ours[name]), rows[name]), name
+    assert torch.equal(ours["embed_tokens.weight"], rows["embed_tokens.weight"])  # rows, own copy
+    out = tmp_path / "logits.json"
+    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti),
+                          str(eager)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    la, le = (torch.tensor(result[str(p)]["logits"]) for p in (aoti, eager))
+    err = rel_err(la, le)
+    assert err < 2e-2, err
+    print(f"aoti bf16 TP=2 ({want}) within {err:.2%} of eager bf16")

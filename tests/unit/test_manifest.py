@@ -96,8 +96,8 @@ def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engin
     assert engine_inputs(**common, weight_layout="rows") == rows  # older ids unchanged
     assert engine_id(engine_inputs(**common, weight_layout="panels16")) != engine_id(rows)
     ids = {engine_id(engine_inputs(**common, weight_layout=layout))
-           for layout in ("rows", "panels16", "panels16q", "panels16qh", "rowsqh")}
-    assert len(ids) == 5
+           for layout in ("rows", "panels16", "panels16q", "panels16qh", "rowsqh", "pairs16")}
+    assert len(ids) == 6
     # the layout an aoti build chooses: panels where no native bf16 dot product exists
     assert [weight_layout_for("aoti", "cpu", isa) for isa in ISA_LEVELS] == [
         "rows", "panels16", "panels16", "rows", "rows"]
@@ -105,6 +105,11 @@ def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engin
     # AVX512-BF16, whose float weights stay row-major)
     assert [weight_layout_for("aoti", "cpu", isa, quantized=True) for isa in ISA_LEVELS] == [
         "rows", "panels16qh", "panels16", "rowsqh", "rowsqh"]
+    # bf16 engines on AMX targets: float linears in pair panels, AMX's B tiles as stored
+    assert [weight_layout_for("aoti", "cpu", isa, dtype="bfloat16") for isa in ISA_LEVELS] == [
+        "rows", "panels16", "panels16", "rows", "pairs16"]
+    assert weight_layout_for("aoti", "cpu", "amx", dtype="float16") == "rows"
+    assert weight_layout_for("aoti", "cpu", "amx", quantized=True, dtype="bfloat16") == "rowsqh"
     assert weight_layout_for("eager", "cpu", "avx2") == "rows"
     assert weight_layout_for("aoti", "cuda", None) == "rows"
 

@@ -1,0 +1,174 @@
+// y = x W^T (+ b) with a bf16 W stored at build time in pair panels: the "pairs16" layout of
+// bf16 engines on AMX targets (contract/layout.py; runtime/models/panels.py pack_pairs).
+//
+// Why: on row-major weights oneDNN's AMX GEMM repacks W into its tiles' order in every call,
+// so a decode step of SmolLM2 (1-32 rows) read and wrote its weights twice: 30 layers and the
+// LM head, 2 threads, 16 rows 20.4 ms against the memory's 10.5. In pair panels each run of
+// 32 k of a panel is, byte for byte, the B operand of one `tdpbf16ps`, loaded from the shard
+// as stored (amx_tiles.h): 16 rows 11.0 ms, 1 row 10.3 ms (row-major `vdpbf16ps` dot
+// products at 1 row, linear.cpp: about the same), 32 rows 13.5 ms (oneDNN 21.2). Input rows
+// are padded to whole tiles of 16; the tile unit is far from busy at these sizes.
+//
+// Where the tile state is refused (amx_ready) the weights go through `vdpbf16ps`: a pair of
+// k for a panel's 16 columns is one vector, multiplied by a broadcast pair of x, up to 4
+// rows a pass. Other targets and dtypes (never built so, but tests run anywhere) take plain
+// loops over the same order.
+//
+// x [..., K], w [N, K] in pair panels (N % 16 == 0, K % 32 == 0, x's dtype), b [N] or none
+// -> [..., N] in x's dtype; float32 sums.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "amx_tiles.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kCols = 16;  // a panel's columns (contract/layout.py PANEL_COLUMNS)
+
+// Element (n, k) of W in pair panels.
+inline int64_t pair_index(int64_t K, int64_t n, int64_t k) {
+  return (n / kCols) * kCols * K + (k / 2) * 2 * kCols + (n % kCols) * 2 + k % 2;
+}
+
+template <typename T>
+void pairs_generic(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t N,
+                   int64_t K) {
+  at::parallel_for(0, N, kCols, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k)
+          acc += static_cast<float>(x[m * K + k]) * static_cast<float>(w[pair_index(K, n, k)]);
+        y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
+      }
+  });
+}
+
+// y's rows [m0, m1) of panel p from float32 sums c [rows, 16], the bias added, rounded once.
+inline void store_panel(const float* c, int64_t m0, int64_t m1, int64_t p, const float* bias,
+                        at::BFloat16* y, int64_t N) {
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t j = 0; j < kCols; ++j) {
+      const int64_t n = p * kCols + j;
+      y[m * N + n] = static_cast<at::BFloat16>(c[(m - m0) * kCols + j] + (bias ? bias[n] : 0.f));
+    }
+}
+
+#if defined(__AVX512BF16__)
+// MR rows of x (pairs of bf16 as int32) against panel `pw`: two chains a row.
+template <int MR>
+void dpbf16_rows(const int32_t* xp, int64_t K, const char* pw, float* c) {
+  __m512 acc[MR][2];
+  for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < K / 2; t += 2) {
+    _mm_prefetch(pw + t * 64 + 4096, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + t * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + t * 64 + 64);
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* xr = xp + r * K / 2;
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_set1_epi32(xr[t]));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_set1_epi32(xr[t + 1]));
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * kCols, _mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias,
+                  at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  const auto* xp = reinterpret_cast<const int32_t*>(x);
+  at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[4 * kCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const char* pw = reinterpret_cast<const char*>(w + p * kCols * K);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, M - m0);
+        const int32_t* xm = xp + m0 * K / 2;
+        switch (mr) {
+          case 1: dpbf16_rows<1>(xm, K, pw, c); break;
+          case 2: dpbf16_rows<2>(xm, K, pw, c); break;
+          case 3: dpbf16_rows<3>(xm, K, pw, c); break;
+          default: dpbf16_rows<4>(xm, K, pw, c); break;
+        }
+        store_panel(c, m0, m0 + mr, p, bias, y, N);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, at::BFloat16* y,
+               int64_t M, int64_t N, int64_t K) {
+  using namespace aotllm;  // NOLINT: the tiles (amx_tiles.h)
+  std::vector<at::BFloat16> xpad;
+  const at::BFloat16* xb = pad_rows(x, M, K, xpad);
+  const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
+    amx_config();
+    alignas(64) float c[4 * kTileRows * kCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const auto* panel = reinterpret_cast<const uint16_t*>(w + p * kCols * K);
+      for (int64_t m0 = 0; m0 < Mp; m0 += 4 * kTileRows) {
+        amx_rows(Mp - m0, K, xb + m0 * K, panel, c, m0 == 0);  // later blocks: panel in cache
+        store_panel(c, m0, std::min(M, m0 + 4 * kTileRows), p, bias, y, N);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& b) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && N % kCols == 0 && K % 32 == 0,
+              "linear_pairs: w must be a contiguous [N, ", K, "] weight in pair panels "
+              "(N % 16 == 0, K % 32 == 0)");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear_pairs: x and w dtypes differ");
+  const int64_t M = x.numel() / std::max<int64_t>(K, 1);
+  const at::Tensor xc = x.reshape({M, K}).contiguous();
+  const at::Tensor bf = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* xd = xc.data_ptr<at::BFloat16>();
+    const auto* wd = w.data_ptr<at::BFloat16>();
+    auto* yd = y.data_ptr<at::BFloat16>();
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (aotllm::amx_ready()) {
+      pairs_amx(xd, wd, bp, yd, M, N, K);
+      return y.view(shape);
+    }
+#endif
+#if defined(__AVX512BF16__)
+    pairs_dpbf16(xd, wd, bp, yd, M, N, K);
+    return y.view(shape);
+#endif
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_pairs", [&] {
+    pairs_generic(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), bp, y.data_ptr<scalar_t>(),
+                  M, N, K);
+  });
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aotllm, m) {
+  m.def("linear_pairs(Tensor x, Tensor w, Tensor? b) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_pairs", &linear_pairs); }
