@@ -53,12 +53,14 @@ def _fake(op: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torc
 def _register_fakes() -> None:
     @_fake("paged_decode_attention")
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                kv_live: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q)
 
     @_fake("paged_prefill_attention")
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                 block_tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                 kv_live: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q)
 
     @_fake("linear")

@@ -9,18 +9,27 @@
 // and values are widened to float32 once; its scores are taken four queries x two keys at a
 // time (eight FMA chains: one dot product at a time waited on the FMA latency) and its
 // values 64 dimensions a pass in registers (SmolLM2 shapes, batch 16, context 128, 30
-// layers, 2 threads: 10.6-11.0 -> 4.7-5.0 ms).
+// layers, 2 threads: 10.6-11.0 -> 4.7-5.0 ms). On AVX512-BF16 targets the scores of bf16
+// caches come from the keys as stored (`vdpbf16ps`, nothing widened) and the values take 16
+// lanes an FMA: batch 16, context 176, 30 layers, 2 threads 3.1-3.3 -> 2.7-2.8 ms; one
+// thread with TP=2's 6 heads 4.1-4.3 -> 3.3-3.4 ms. The pieces are attention_blocks.h's.
 //
 // Prompt chunks take the same path in tiles of 8 query rows (x the group's heads), each row
 // causal to its own position, so a key block is widened once per tile: one row per query
 // widened the whole prefix once per row (SmolLM2, a 128-token prompt, 30 layers: see
 // prefill_kernel).
 //
+// KV heads past `kv_live` (a rank's zero padding: 3 KV heads over 2 ranks are 4, one of
+// them zeros) are not read: their queries' outputs are zeros, which is what attending to a
+// zero key and value gives, and their o_proj columns are zeros too. SmolLM2 at TP=2, batch
+// 16: the padded head was a third of rank 1's cache reads, on a memory bus both ranks share.
+//
 // paged_decode_attention:
 // q            [B, Hq, D]             the decode queries (one per sequence)
 // k_cache      [NB, bs, Hk, D]        v_cache likewise; slot = block * bs + offset
 // block_tables [B, M] int64           padded with any valid block id
 // ctx_lens     [B] int64              keys visible to each query (>= 1)
+// kv_live      [] int64 or none       KV heads 0 .. kv_live - 1 are real (none: all)
 // returns      [B, Hq, D]             same dtype as q
 // paged_prefill_attention:
 // q            [P, Q, Hq, D]          P prompt chunks of Q query rows
@@ -31,143 +40,28 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <cmath>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
-#include "tile_gemm.h"
+#include "attention_blocks.h"
 
 namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per KV head handled in one pass
 
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
-
-// One cache row as float32: bf16 widened by a shift (vectorized), others converted.
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
-}
-template <>
-inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
-  aotllm::bf16_to_f32(reinterpret_cast<const uint16_t*>(src), dst, n);
-}
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar libm call, and
-// a block's softmax calls it once per score): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
-// p of degree 6 (relative error below 2e-7). Inputs under -87 return about 1e-38, not 0.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-// Scores of one block: probs[i * bs + t] = q_i . k_t for the group's g queries (qf [gp, D],
-// zero rows past g) and the block's n keys (kbuf [n, D], float32).
-void block_scores(const float* qf, const float* kbuf, int64_t n, int64_t g, int64_t gp,
-                  int64_t D, float* probs, int64_t bs) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    // Four queries x two keys a pass: eight independent FMA chains (one dot product a chain
-    // waited on the FMA latency: most of the kernel's time before), reduced four at a time.
-    const auto hsum4 = [](__m256 a, __m256 b, __m256 c, __m256 d) {
-      const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-      return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-    };
-    alignas(16) float s[2][4];
-    for (int64_t i = 0; i < gp; i += 4) {
-      const float* q0 = qf + i * D;
-      const int64_t heads = std::min<int64_t>(4, g - i);
-      for (int64_t t = 0; t < n; t += 2) {
-        const float* k0 = kbuf + t * D;
-        const float* k1 = t + 1 < n ? k0 + D : k0;  // an odd last key pairs with itself
-        __m256 a[8];
-        for (auto& v : a) v = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
-          for (int64_t j = 0; j < 4; ++j) {
-            const __m256 qv = _mm256_loadu_ps(q0 + j * D + d);
-            a[j] = _mm256_fmadd_ps(qv, x0, a[j]);
-            a[4 + j] = _mm256_fmadd_ps(qv, x1, a[4 + j]);
-          }
-        }
-        _mm_store_ps(s[0], hsum4(a[0], a[1], a[2], a[3]));
-        _mm_store_ps(s[1], hsum4(a[4], a[5], a[6], a[7]));
-        for (int64_t j = 0; j < heads; ++j) {
-          probs[(i + j) * bs + t] = s[0][j];
-          if (t + 1 < n) probs[(i + j) * bs + t + 1] = s[1][j];
-        }
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) {
-    const float* kr = kbuf + t * D;
-    for (int64_t i = 0; i < g; ++i) {
-      const float* qi = qf + i * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < D; ++d) s += qi[d] * kr[d];
-      probs[i * bs + t] = s;
-    }
-  }
-}
-
-// acc_i += sum_t p_i[t] v_t for the group's g queries over the block's n values (vbuf
-// [n, D], float32).
-void block_values(const float* probs, const float* vbuf, int64_t n, int64_t g, int64_t D,
-                  float* acc, int64_t bs) {
-  for (int64_t i = 0; i < g; ++i) {
-    const float* pi = probs + i * bs;
-    float* ai = acc + i * D;
-    int64_t d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    // 64 dimensions a pass in eight registers, the keys' weights broadcast: eight chains.
-    for (; d0 + 64 <= D; d0 += 64) {
-      __m256 a[8];
-      for (int64_t j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(ai + d0 + 8 * j);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m256 p = _mm256_broadcast_ss(pi + t);
-        const float* vr = vbuf + t * D + d0;
-        for (int64_t j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), a[j]);
-      }
-      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(ai + d0 + 8 * j, a[j]);
-    }
-#endif
-    for (int64_t t = 0; t < n; ++t) {  // what is left of D (all of it without AVX2)
-      const float p = pi[t];
-      const float* vr = vbuf + t * D;
-#pragma omp simd
-      for (int64_t d = d0; d < D; ++d) ai[d] += p * vr[d];
-    }
-  }
-}
+using namespace aotllm::attn;  // NOLINT: the block-level pieces (attention_blocks.h)
 
 // Per-thread scratch of one work item: up to G queries against one KV head.
 struct Scratch {
   std::vector<float> qf, acc, probs, kbuf, vbuf, m, l;
-  Scratch(int64_t G, int64_t D, int64_t bs)
+  std::vector<at::BFloat16> qb;  // the queries unscaled (bf16 caches: block_scores_bf16)
+  float sc = 1.f;                // the scale qf carries and qb does not
+  Scratch(int64_t G, int64_t D, int64_t bs, float scale)
       : qf((G + 3) / 4 * 4 * D, 0.f), acc(G * D), probs(G * bs), kbuf(bs * D), vbuf(bs * D),
-        m(G), l(G) {}
+        m(G), l(G), qb((G + 3) / 4 * 4 * D, at::BFloat16(0.f)), sc(scale) {}
 };
 
 // One work item: the G queries in s.qf (scaled; rows past G zero) against the keys and
@@ -191,8 +85,17 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
     const int64_t n = std::min<int64_t>(bs, ctx - first);
     const scalar_t* kb = kh + blk * k_block;
     const scalar_t* vb = vh + blk * v_block;
-    for (int64_t t = 0; t < n; ++t) widen(kb + t * k_slot, &s.kbuf[t * D], D);
-    block_scores(s.qf.data(), s.kbuf.data(), n, G, gp, D, s.probs.data(), bs);
+    if constexpr (kBf16Scores && std::is_same_v<scalar_t, at::BFloat16>) {
+      if (D % 32 == 0) {
+        block_scores_bf16(s.qb.data(), kb, k_slot, n, G, gp, D, s.sc, s.probs.data(), bs);
+      } else {
+        for (int64_t t = 0; t < n; ++t) widen(kb + t * k_slot, &s.kbuf[t * D], D);
+        block_scores(s.qf.data(), s.kbuf.data(), n, G, gp, D, s.probs.data(), bs);
+      }
+    } else {
+      for (int64_t t = 0; t < n; ++t) widen(kb + t * k_slot, &s.kbuf[t * D], D);
+      block_scores(s.qf.data(), s.kbuf.data(), n, G, gp, D, s.probs.data(), bs);
+    }
     for (int64_t i = 0; i < G; ++i) {  // online softmax: rescale once per block
       float* pi = &s.probs[i * bs];
       // The keys of this block query i may see; none (a later query's block): no weight.
@@ -223,9 +126,11 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
   }
 }
 
+// Query row i of the work item into s: scaled in float32, and as given in bf16 (qb).
 template <typename scalar_t>
-inline void load_query(const scalar_t* src, float sc, int64_t D, float* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * sc;
+inline void load_query(const scalar_t* src, Scratch& s, int64_t i, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) s.qf[i * D + d] = to_f(src[d]) * s.sc;
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) std::copy(src, src + D, &s.qb[i * D]);
 }
 
 template <typename scalar_t>
@@ -237,7 +142,7 @@ inline void store_output(const Scratch& s, int64_t i, int64_t D, scalar_t* dst) 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
-                   at::Tensor& out) {
+                   int64_t live, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk;
@@ -250,12 +155,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(g, D, bs);
+    Scratch s(g, D, bs, sc);
     int64_t lim[kMaxGroup];
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / Hk, h = work % Hk;
+      if (h >= live) {  // padding: nothing to read
+        std::fill(op + (b * Hq + h * g) * D, op + (b * Hq + (h + 1) * g) * D, scalar_t(0));
+        continue;
+      }
       for (int64_t i = 0; i < g; ++i) {  // the query heads that share KV head h (GQA)
-        load_query(qp + (b * Hq + h * g + i) * D, sc, D, &s.qf[i * D]);
+        load_query(qp + (b * Hq + h * g + i) * D, s, i, D);
         lim[i] = cl[b];
       }
       attend(s, g, lim, bt + b * M, M, kp + h * k_cache.stride(2), k_cache.stride(0),
@@ -276,7 +185,7 @@ constexpr int64_t kTileRows = 8;
 template <typename scalar_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& q_pos, double scale,
-                    at::Tensor& out) {
+                    int64_t live, at::Tensor& out) {
   const int64_t P = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk, tiles = (Q + kTileRows - 1) / kTileRows;
@@ -289,15 +198,22 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, P * Hk * tiles, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(kTileRows * g, D, bs);
+    Scratch s(kTileRows * g, D, bs, sc);
     std::vector<int64_t> lim(kTileRows * g);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t p = work / (Hk * tiles), h = work / tiles % Hk, r0 = work % tiles * kTileRows;
       const int64_t rows = std::min(kTileRows, Q - r0), G = rows * g;
+      if (h >= live) {  // padding: nothing to read
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* o = op + ((p * Q + r0 + r) * Hq + h * g) * D;
+          std::fill(o, o + g * D, scalar_t(0));
+        }
+        continue;
+      }
       std::fill(s.qf.begin(), s.qf.end(), 0.f);
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t i = 0; i < g; ++i) {
-          load_query(qp + (((p * Q + r0 + r) * Hq) + h * g + i) * D, sc, D, &s.qf[(r * g + i) * D]);
+          load_query(qp + (((p * Q + r0 + r) * Hq) + h * g + i) * D, s, r * g + i, D);
           lim[r * g + i] = pos[p * Q + r0 + r] + 1;
         }
       }
@@ -324,9 +240,17 @@ void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache
               op, ": q and caches must share a dtype");
 }
 
+// The live KV heads of a rank (kv_live, an int64 scalar), all of them without it.
+int64_t live_heads(const std::optional<at::Tensor>& kv_live, const at::Tensor& k_cache) {
+  if (!kv_live.has_value()) return k_cache.size(2);
+  TORCH_CHECK(kv_live->numel() == 1, "kv_live: one integer");
+  return std::clamp<int64_t>(kv_live->item<int64_t>(), 0, k_cache.size(2));
+}
+
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& q_pos, double scale) {
+                                   const at::Tensor& q_pos, double scale,
+                                   const std::optional<at::Tensor>& kv_live) {
   TORCH_CHECK(q.dim() == 4, "paged_prefill_attention: q [P, Q, Hq, D]");
   check_caches("paged_prefill_attention", q, k_cache, v_cache);
   TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1),
@@ -336,24 +260,27 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   auto qc = q.contiguous();
   auto bt = block_tables.to(at::kLong).contiguous();
   auto qpos = q_pos.to(at::kLong).contiguous();
+  const int64_t live = live_heads(kv_live, k_cache);
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_prefill", [&] {
-    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, out);
+    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, live, out);
   });
   return out;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& ctx_lens, double scale) {
+                                  const at::Tensor& ctx_lens, double scale,
+                                  const std::optional<at::Tensor>& kv_live) {
   TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q [B, Hq, D]");
   check_caches("paged_decode_attention", q, k_cache, v_cache);
   auto qc = q.contiguous();
   auto bt = block_tables.to(at::kLong).contiguous();
   auto cl = ctx_lens.to(at::kLong).contiguous();
+  const int64_t live = live_heads(kv_live, k_cache);
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, out);
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, live, out);
   });
   return out;
 }
@@ -362,9 +289,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor ctx_lens, float scale) -> Tensor");
+        "Tensor ctx_lens, float scale, Tensor? kv_live=None) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor q_pos, float scale) -> Tensor");
+        "Tensor block_tables, Tensor q_pos, float scale, Tensor? kv_live=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) {

@@ -33,6 +33,9 @@ class AttentionMetadata:
     dec_ctx_lens: torch.Tensor  # [Bd] int64: keys visible to each decode query
     pf_q_index: torch.Tensor  # [Bp, Q] int64: token index of each prefill query (padded)
     pf_block_tables: torch.Tensor  # [Bp, Mp] int64
+    # [] int64: this rank's real KV heads (the rest are TP padding, zeros); the kernels skip
+    # the padding, the tensor path attends to its zeros (the same zeros out). None: all real.
+    kv_live: torch.Tensor | None = None
 
 
 def write_kv(
@@ -100,7 +103,7 @@ def paged_attention(
     bd = qd.shape[0]
     if use_kernels:
         od = torch.ops.aotllm.paged_decode_attention(
-            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale
+            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale, meta.kv_live
         ).reshape(bd, hq * d)
     else:
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
@@ -114,7 +117,7 @@ def paged_attention(
         # once per query row (the decode kernel with one row per query, before).
         qpos = positions[meta.pf_q_index]  # [Bp, Q]
         op = torch.ops.aotllm.paged_prefill_attention(
-            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale
+            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale, meta.kv_live
         ).reshape(bp * nq, hq * d)
         return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]
 

@@ -34,7 +34,11 @@ def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str
 
 
 def bind_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
-    """Bind a rank's tensors to the model without copying (strict: names and shapes)."""
+    """Bind a rank's tensors to the model without copying (strict: names and shapes).
+    Shards written before `kv_heads_live` existed take the model's own (every KV head
+    attended, padding included, as those engines did)."""
+    if "kv_heads_live" not in weights:
+        weights = {**weights, "kv_heads_live": model.kv_heads_live.detach().clone()}
     model.load_state_dict(weights, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)

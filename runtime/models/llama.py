@@ -138,6 +138,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
                                       head_fmt)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
+        # This rank's real KV heads (sharding.kv_heads_live), the rest TP padding: a
+        # parameter bound with the rank's weights, as embed_tokens.vocab_start, so that one
+        # program serves every rank; the attention kernels skip the padding.
+        self.kv_heads_live = nn.Parameter(torch.tensor(local_heads(cfg, tp.size)[1]),
+                                          requires_grad=False)
 
     def forward(
         self,
@@ -156,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [L, vocab] float32
         meta = AttentionMetadata(
             slot_mapping, out_index, dec_q_index, dec_block_tables, dec_ctx_lens,
-            pf_q_index, pf_block_tables,
+            pf_q_index, pf_block_tables, self.kv_heads_live,
         )
         block_size = k_caches[0].shape[1]
         block_index, block_offset = slot_mapping // block_size, slot_mapping % block_size

@@ -157,6 +157,16 @@ def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
     return head, head + 1
 
 
+def kv_heads_live(cfg: ModelConfig, tp: int, rank: int) -> int:
+    """How many of rank `rank`'s KV heads are the model's (the first ones): the rest are the
+    zero heads tp_heads appends, whose attention the kernels skip."""
+    _, hk = cfg.tp_heads(tp)
+    if tp > hk:  # a replicated real head
+        return 1
+    lo, hi = kv_head_range(cfg, tp, rank)
+    return max(0, min(hi, cfg.num_key_value_heads) - lo)
+
+
 def _split(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=dim)[rank]
 
@@ -264,5 +274,6 @@ def shard_state_dict(
         out[rule.name] = piece.to(dtype).contiguous()
     # Buffers travel with the weights so that one compiled program serves every rank.
     out["embed_tokens.vocab_start"] = torch.tensor(rank * (cfg.vocab_size // tp), dtype=torch.int64)
+    out["kv_heads_live"] = torch.tensor(kv_heads_live(cfg, tp, rank), dtype=torch.int64)
     out["inv_freq"] = inv_frequencies(cfg.rope, cfg.head_dim)
     return out

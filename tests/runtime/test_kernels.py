@@ -54,6 +54,27 @@ def test_decode_attention_kernel_matches_the_tensor_reference(
     torch.testing.assert_close(got.float().reshape(b, hq * d), want, atol=tol, rtol=tol)
 
 
+def test_padded_kv_heads_are_skipped_and_give_zeros(lib: Path) -> None:
+    """kv_live: a rank's real KV heads; the padding's queries get zeros (attention to zero
+    keys and values) without their cache being read, here filled with NaN to prove it."""
+    torch.manual_seed(7)
+    nb, bs, b, hq, hk, d = 12, 16, 3, 6, 2, 64
+    kc, vc = (torch.randn(nb, bs, hk, d).to(torch.bfloat16) for _ in range(2))
+    kc[:, :, 1], vc[:, :, 1] = float("nan"), float("nan")  # KV head 1: padding
+    q = torch.randn(b, hq, d).to(torch.bfloat16)
+    tables, ctx = torch.randint(0, nb, (b, 4)), torch.tensor([5, 16, 40])
+    live = torch.tensor(1)
+    got = torch.ops.aotllm.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, live)
+    want = torch.ops.aotllm.paged_decode_attention(q[:, :3], kc[:, :, :1], vc[:, :, :1], tables,
+                                                   ctx, 0.125)
+    assert torch.equal(got[:, :3], want) and torch.equal(got[:, 3:], torch.zeros_like(got[:, 3:]))
+    qp, pos = torch.randn(2, 5, hq, d).to(torch.bfloat16), torch.tensor([[0, 1, 2, 3, 4], [9, 10, 11, 12, 13]])
+    gotp = torch.ops.aotllm.paged_prefill_attention(qp, kc, vc, tables[:2], pos, 0.125, live)
+    wantp = torch.ops.aotllm.paged_prefill_attention(qp[:, :, :3], kc[:, :, :1], vc[:, :, :1],
+                                                     tables[:2], pos, 0.125)
+    assert torch.equal(gotp[:, :, :3], wantp) and not gotp[:, :, 3:].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_step_attends_the_same_with_the_kernel_as_with_tensor_operations(
         lib: Path, dtype: torch.dtype) -> None:
