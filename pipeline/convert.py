@@ -65,9 +65,9 @@ def convert_checkpoint(
             if weight_layout in FLOAT_PANEL_LAYOUTS:
                 for name in panel_names:
                     shard[name] = pack_panels(shard[name])
-            if weight_layout in FLOAT_PAIR_LAYOUTS:  # the embedding stays row-major (own copy)
+            if weight_layout in FLOAT_PAIR_LAYOUTS:  # a tied embedding too: it is the head
                 for name in panel_names:
-                    if name != "embed_tokens.weight" and pairs_fit(*shard[name].shape):
+                    if pairs_fit(*shard[name].shape):
                         shard[name] = pack_pairs(shard[name])
             if weight_layout in QPANEL_LAYOUTS:
                 for name, spec in qpanel_specs.items():

@@ -96,7 +96,11 @@ def _int4_symmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     A small search over scales per group (llama.cpp's Q4_0 takes the first candidate only,
     t = -8): each candidate is rounded to float16 first, so the error measured is the one
-    the engine will have.
+    the engine will have; each candidate's levels are then refitted once with their
+    least-squares scale (sum c*w / sum c^2, c = q - 8), itself a candidate. SmolLM2, mean KL
+    over 10240 tokens (bench/quant_accuracy.py): groups of 32 0.26563 -> 0.26053 (llama.cpp's
+    Q4_0: 0.26526), groups of 128 0.43034 -> 0.42138. A second refit lowered the weights'
+    squared error again but not the KL (0.26264).
     """
     idx = g.abs().argmax(-1, keepdim=True)
     peak = g.gather(-1, idx)  # signed value of largest magnitude [N, G, 1]
@@ -104,17 +108,22 @@ def _int4_symmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for t in _INT4_STEPS:
         for sign in (-1.0, 1.0):
             s = _fp16(peak.squeeze(-1) / (sign * t))
-            sf = s.float().unsqueeze(-1)
-            safe = torch.where(sf != 0, sf, torch.ones_like(sf))
-            q = torch.where(sf != 0, (g / safe).round() + 8, torch.full_like(g, 8.0)).clamp(0, 15)
-            err = ((q - 8) * sf - g).square().sum(-1)
-            if best_err is None:
-                best_q, best_s, best_err = q, s, err
-                continue
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, s, best_s)
-            best_q = torch.where(better.unsqueeze(-1), q, best_q)
+            for refit in (False, True):
+                sf = s.float().unsqueeze(-1)
+                safe = torch.where(sf != 0, sf, torch.ones_like(sf))
+                q = torch.where(sf != 0, (g / safe).round() + 8, torch.full_like(g, 8.0)).clamp(0, 15)
+                err = ((q - 8) * sf - g).square().sum(-1)
+                if best_err is None:
+                    best_q, best_s, best_err = q, s, err
+                else:
+                    better = err < best_err
+                    best_err = torch.where(better, err, best_err)
+                    best_s = torch.where(better, s, best_s)
+                    best_q = torch.where(better.unsqueeze(-1), q, best_q)
+                if not refit:  # the least-squares scale for these levels, tried next
+                    c = q - 8
+                    den = c.square().sum(-1)
+                    s = _fp16(torch.where(den > 0, (c * g).sum(-1) / den.clamp_min(1.0), s.float()))
     assert best_q is not None and best_s is not None
     return best_q.to(torch.uint8), best_s
 

@@ -131,9 +131,9 @@ class VocabParallelEmbedding(_Weight):
     Quantized only when it is tied to a quantized LM head (one tensor bound to both)."""
 
     def __init__(self, vocab_local: int, hidden: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None, panels: bool = False) -> None:
+                 quant: QuantSpec | None = None, panels: str = "") -> None:
         super().__init__()
-        self._init_weight(vocab_local, hidden, dtype, quant, "panels16" if panels else "")
+        self._init_weight(vocab_local, hidden, dtype, quant, panels)
         self.dtype = dtype
         self.tp = tp
         self.vocab_local = vocab_local
@@ -146,6 +146,9 @@ class VocabParallelEmbedding(_Weight):
         if self.panels:  # the tied LM head's panels: row v is column v % 16 of panel v // 16
             w = self.weight.view(self.vocab_local // PANEL_COLUMNS, -1, PANEL_COLUMNS)
             return w[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS]  # [T, hidden]
+        if self.pairs:  # the tied LM head's pair panels: [panel, pair of k, column, k % 2]
+            w = self.weight.view(self.vocab_local // PANEL_COLUMNS, -1, PANEL_COLUMNS, 2)
+            return w[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS].flatten(1)  # [T, hidden]
         if self.quant is None:
             return F.embedding(ids, self.weight)
         # Only the looked-up rows are dequantized (the reference's arithmetic, row by row).

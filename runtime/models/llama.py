@@ -120,9 +120,15 @@ class LlamaForCausalLM(nn.Module):
         layer_fmt = float_fmt if quant.linear is None else qpairs
         vocab_local = cfg.vocab_size // tp.size
         embed_quant = quant.lm_head if cfg.tie_word_embeddings else None
+        if quant.lm_head is not None:
+            head_fmt = "pairs16" if weight_layout in QHEAD_LAYOUTS else ""
+        else:
+            head_fmt = "panels16" if head_panels else ("pairs16" if float_fmt == "pairs16" else "")
+        # A tied embedding is the head's tensor (stored once, bound to both: sharding.bind_tied),
+        # so it is read in the head's layout; a quantized one keeps rows of its own.
+        embed_fmt = head_fmt if cfg.tie_word_embeddings and quant.lm_head is None else ""
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
-                                                   embed_quant,
-                                                   head_panels and cfg.tie_word_embeddings)
+                                                   embed_quant, embed_fmt)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_fmt)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -130,11 +136,7 @@ class LlamaForCausalLM(nn.Module):
         # split differently); it keeps every parameter a plain, independently bound tensor.
         # A quantized head in pair panels with the QHEAD_LAYOUTS (its rows at 16 rows a step
         # took a fifth of a Q4_0 engine's decode step); a float one as the float linears
-        # ("panels16" where head_in_panels).
-        if quant.lm_head is not None:
-            head_fmt = "pairs16" if weight_layout in QHEAD_LAYOUTS else ""
-        else:
-            head_fmt = "panels16" if head_panels else ("pairs16" if float_fmt == "pairs16" else "")
+        # ("panels16" where head_in_panels): head_fmt above.
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
                                       head_fmt)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)

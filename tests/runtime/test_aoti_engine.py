@@ -29,11 +29,13 @@ PROFILE = BuildProfile(max_batch_size=4, max_num_tokens=32, max_seq_len=64, toke
 def tiny_tp2_engines(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     store = tmp_path_factory.mktemp("engines")
     out = {}
-    for backend in ("aoti", "eager"):
-        for dtype in ("float32", "bfloat16"):
-            cfg = BuildConfig(model=str(tiny_models["llama_kv3"]), tp=2, backend=backend,
-                              dtype=dtype, target="cpu", profile=PROFILE, store=str(store))
-            out[backend + ("-bf16" if dtype == "bfloat16" else "")] = build_engine(cfg).engine_dir
+    # bf16 also on qwen2: a tied embedding (one tensor, the LM head's) and qkv biases
+    for name, model, dtype in (("", "llama_kv3", "float32"), ("-bf16", "llama_kv3", "bfloat16"),
+                               ("-bf16-tied", "qwen2", "bfloat16")):
+        for backend in ("aoti", "eager"):
+            cfg = BuildConfig(model=str(tiny_models[model]), tp=2, backend=backend, dtype=dtype,
+                              target="cpu", profile=PROFILE, store=str(store))
+            out[backend + name] = build_engine(cfg).engine_dir
     return out
 
 
@@ -63,21 +65,29 @@ def test_aoti_bf16_tp2_engine_matches_eager(tiny_tp2_engines: dict[str, Path], t
     """bf16: on an AMX host the build stores the linears and the LM head in pair panels
     (aotllm::linear_pairs multiplies them as AMX tiles), elsewhere in panels or rows; the
     compiled engine then differs from the eager one (rows, F.linear) by bf16 roundings only."""
-    aoti, eager = tiny_tp2_engines["aoti-bf16"], tiny_tp2_engines["eager-bf16"]
     want = weight_layout_for("aoti", "cpu", host_cpu_target().isa, dtype="bfloat16")
-    assert read_manifest(aoti).weight_layout == want
-    ours, rows = (load_file(str(e / "rank1.safetensors")) for e in (aoti, eager))
+    pairs = want in FLOAT_PAIR_LAYOUTS
+    e = tiny_tp2_engines
+    assert read_manifest(e["aoti-bf16"]).weight_layout == want
+    ours, rows = (load_file(str(x / "rank1.safetensors")) for x in (e["aoti-bf16"], e["eager-bf16"]))
     for name in ("layers.0.mlp.down_proj.weight", "lm_head.weight"):
-        assert torch.equal(ours[name], rows[name]) == (want not in FLOAT_PAIR_LAYOUTS), name
-        if want in FLOAT_PAIR_LAYOUTS:
-            assert torch.equal(unpack_pairs(ours[name]), rows[name]), name
-    assert torch.equal(ours["embed_tokens.weight"], rows["embed_tokens.weight"])  # rows, own copy
-    out = tmp_path / "logits.json"
-    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(aoti),
-                          str(eager)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    la, le = (torch.tensor(result[str(p)]["logits"]) for p in (aoti, eager))
-    err = rel_err(la, le)
-    assert err < 2e-2, err
-    print(f"aoti bf16 TP=2 ({want}) within {err:.2%} of eager bf16")
+        assert torch.equal(ours[name], rows[name]) == (not pairs), name
+        assert torch.equal(unpack_pairs(ours[name]) if pairs else ours[name], rows[name]), name
+    assert torch.equal(ours["embed_tokens.weight"], rows["embed_tokens.weight"])  # untied: rows
+    # tied: the embedding is the head's one tensor, in its layout; the lookup reads it so
+    ours, rows = (load_file(str(x / "rank1.safetensors"))
+                  for x in (e["aoti-bf16-tied"], e["eager-bf16-tied"]))
+    assert "lm_head.weight" not in ours
+    assert torch.equal(unpack_pairs(ours["embed_tokens.weight"]) if pairs else ours["embed_tokens.weight"],
+                       rows["embed_tokens.weight"])
+    for kind in ("bf16", "bf16-tied"):
+        aoti, eager = e[f"aoti-{kind}"], e[f"eager-{kind}"]
+        out = tmp_path / f"logits-{kind}.json"
+        proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out),
+                              str(aoti), str(eager)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+        la, le = (torch.tensor(result[str(p)]["logits"]) for p in (aoti, eager))
+        err = rel_err(la, le)
+        assert err < 2e-2, (kind, err)
+        print(f"aoti {kind} TP=2 ({want}) within {err:.2%} of eager")
