@@ -20,7 +20,7 @@ from runtime import kernels
 from runtime.host import host_cpu_target
 from runtime.models.attention import AttentionMetadata, decode_attention, paged_attention
 from runtime.models.layers import VocabParallelEmbedding
-from runtime.models.panels import pack_panels, unpack_panels
+from runtime.models.panels import pack_pairs, pack_panels, unpack_panels
 from runtime.models.parallel import TPContext
 from runtime.plan import ScheduledSeq
 from runtime.runner import SeqState, prepare_inputs
@@ -127,11 +127,12 @@ def test_panels_pack_and_unpack_exactly() -> None:
     assert torch.equal(pack_panels(w).reshape(-1)[32 * 9 + 2 * 8 + 7], w[32 + 7, 2])  # nr = 8
 
 
-def test_an_embedding_tied_to_a_head_in_panels_gathers_the_same_rows() -> None:
-    vocab, hidden = 64, 24
+@pytest.mark.parametrize(("fmt", "pack"), [("panels16", pack_panels), ("pairs16", pack_pairs)])
+def test_an_embedding_tied_to_a_head_in_panels_gathers_the_same_rows(fmt: str, pack) -> None:
+    vocab, hidden = 64, 32
     w = torch.randn(vocab, hidden)
-    emb = VocabParallelEmbedding(vocab, hidden, TPContext(), torch.float32, panels=True)
-    emb.weight = torch.nn.Parameter(pack_panels(w), requires_grad=False)
+    emb = VocabParallelEmbedding(vocab, hidden, TPContext(), torch.float32, panels=fmt)
+    emb.weight = torch.nn.Parameter(pack(w), requires_grad=False)
     ids = torch.tensor([0, 15, 16, 17, 63, 5, 5])
     assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, w))
 
