@@ -132,8 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_fmt)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # Tied embeddings are stored twice in the shard (the embedding and the head can be
-        # split differently); it keeps every parameter a plain, independently bound tensor.
+        # A tied float head is the embedding's one tensor (sharding.bind_tied); a tied
+        # quantized head in pair panels leaves the embedding a row-major copy of its own.
         # A quantized head in pair panels with the QHEAD_LAYOUTS (its rows at 16 rows a step
         # took a fifth of a Q4_0 engine's decode step); a float one as the float linears
         # ("panels16" where head_in_panels): head_fmt above.
