@@ -215,6 +215,30 @@ def q_pad_cols(t: QTensor, cols: int, what: str) -> QTensor:
     return replace(t, q=q, scales=z(t.scales), mins=None if t.mins is None else z(t.mins))
 
 
+def q_cols(t: QTensor, start: int, end: int, what: str) -> QTensor:
+    """Input columns [start, end): grouped, they must be whole groups (a short last one at K)."""
+    q = t.q[:, start:end]
+    if t.spec.group_size == 0:
+        return replace(t, q=q, group=end - start)
+    if start % t.group or (end % t.group and end != t.q.shape[1]):
+        raise BuildError(f"{what}: inputs {start}..{end} do not fall on groups of {t.group}",
+                         "choose a --quant-group-size that divides them")
+    g0, g1 = start // t.group, -(-end // t.group)
+    return replace(t, q=q, scales=t.scales[:, g0:g1],
+                   mins=None if t.mins is None else t.mins[:, g0:g1])
+
+
+def q_cat_cols(ts: list[QTensor]) -> QTensor:
+    """Pieces of input columns side by side (q_cols' pieces: whole groups, or per channel
+    the same row scales in each)."""
+    first = ts[0]
+    q = torch.cat([t.q for t in ts], dim=1)
+    if first.spec.group_size == 0:
+        return replace(first, q=q, group=q.shape[1])
+    mins = None if first.mins is None else torch.cat([t.mins for t in ts], dim=1)  # type: ignore[misc]
+    return replace(first, q=q, scales=torch.cat([t.scales for t in ts], dim=1), mins=mins)
+
+
 def q_split_cols(t: QTensor, tp: int, rank: int, what: str) -> QTensor:
     """Rank `rank`'s slice of the input columns. A group never straddles two ranks: per
     channel, every rank keeps the row's scale for its part of the row; grouped, the split

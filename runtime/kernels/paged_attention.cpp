@@ -19,22 +19,26 @@
 // widened the whole prefix once per row (SmolLM2, a 128-token prompt, 30 layers: see
 // prefill_kernel).
 //
-// KV heads past `kv_live` (a rank's zero padding: 3 KV heads over 2 ranks are 4, one of
-// them zeros) are not read: their queries' outputs are zeros, which is what attending to a
-// zero key and value gives, and their o_proj columns are zeros too. SmolLM2 at TP=2, batch
-// 16: the padded head was a third of rank 1's cache reads, on a memory bus both ranks share.
+// `kv_live` says which rows each KV head attends (runtime/models/kv_heads.py). With TP,
+// SmolLM2's 3 KV heads over 2 ranks are 4 slots: rank 0 holds heads 0 and 1, rank 1 heads 1
+// and 2, and each attends head 1 for half the rows (the other's output there is zeros, and
+// the o_proj all-reduce adds the two). A zero head (padding the plan cannot share) attends
+// none. What a head does not attend is not read; its output is zeros.
 //
 // paged_decode_attention:
 // q            [B, Hq, D]             the decode queries (one per sequence)
 // k_cache      [NB, bs, Hk, D]        v_cache likewise; slot = block * bs + offset
 // block_tables [B, M] int64           padded with any valid block id
 // ctx_lens     [B] int64              keys visible to each query (>= 1)
-// kv_live      [] int64 or none       KV heads 0 .. kv_live - 1 are real (none: all)
+// kv_live      [Hk, 3] int64 or none  (modulus, lo, hi): head h attends batch row r when
+//                                     lo <= r % modulus < hi (none: every row; a scalar:
+//                                     heads 0 .. n - 1 every row, the rest none)
 // returns      [B, Hq, D]             same dtype as q
 // paged_prefill_attention:
 // q            [P, Q, Hq, D]          P prompt chunks of Q query rows
 // block_tables [P, M] int64
 // q_pos        [P, Q] int64           each row's position: it sees keys 0 .. q_pos
+// kv_live                             as above, r the query's row in its chunk
 // returns      [P, Q, Hq, D]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,6 +57,15 @@ namespace {
 constexpr int kMaxGroup = 16;  // query heads per KV head handled in one pass
 
 using namespace aotllm::attn;  // NOLINT: the block-level pieces (attention_blocks.h)
+
+// Which rows each KV head attends (kv_live): row r when lo <= r % mod < hi.
+struct HeadRows {
+  std::vector<int64_t> mod, lo, hi;
+  bool attends(int64_t h, int64_t r) const {
+    const int64_t x = r % mod[h];
+    return x >= lo[h] && x < hi[h];
+  }
+};
 
 // Per-thread scratch of one work item: up to G queries against one KV head.
 struct Scratch {
@@ -142,7 +155,7 @@ inline void store_output(const Scratch& s, int64_t i, int64_t D, scalar_t* dst) 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
-                   int64_t live, at::Tensor& out) {
+                   const HeadRows& rows, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk;
@@ -159,7 +172,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     int64_t lim[kMaxGroup];
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / Hk, h = work % Hk;
-      if (h >= live) {  // padding: nothing to read
+      if (!rows.attends(h, b)) {  // another rank's row, or padding: nothing to read
         std::fill(op + (b * Hq + h * g) * D, op + (b * Hq + (h + 1) * g) * D, scalar_t(0));
         continue;
       }
@@ -176,16 +189,18 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 }
 
 // Prompt chunks: P sequences of Q query rows each (a shorter chunk repeats its last row),
-// q_pos [P, Q] their positions. A work item is (sequence, KV head, a tile of kTileRows rows):
-// the tile's rows x the group's heads go through `attend` together, so each key and value
-// block is widened once per tile rather than once per query row (the decode kernel with
-// one row per query re-read the whole prefix for every row).
+// q_pos [P, Q] their positions. A work item is (sequence, KV head, a tile of kTileRows of
+// the rows that head attends): the tile's rows x the group's heads go through `attend`
+// together, so each key and value block is widened once per tile rather than once per
+// query row (the decode kernel with one row per query re-read the whole prefix for every
+// row). A head shared with another rank tiles every other row, which keeps the causal
+// work even between the two.
 constexpr int64_t kTileRows = 8;
 
 template <typename scalar_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& q_pos, double scale,
-                    int64_t live, at::Tensor& out) {
+                    const HeadRows& rows, at::Tensor& out) {
   const int64_t P = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk, tiles = (Q + kTileRows - 1) / kTileRows;
@@ -196,33 +211,43 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* pos = q_pos.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float sc = static_cast<float>(scale);
+  // Each head's rows in order (every row, every other one, or none); the rest are zeros.
+  std::vector<std::vector<int64_t>> own(Hk);
+  for (int64_t h = 0; h < Hk; ++h) {
+    for (int64_t r = 0; r < Q; ++r) {
+      if (rows.attends(h, r)) {
+        own[h].push_back(r);
+      } else {
+        for (int64_t p = 0; p < P; ++p) {
+          scalar_t* o = op + ((p * Q + r) * Hq + h * g) * D;
+          std::fill(o, o + g * D, scalar_t(0));
+        }
+      }
+    }
+  }
 
   at::parallel_for(0, P * Hk * tiles, 1, [&](int64_t begin, int64_t end) {
     Scratch s(kTileRows * g, D, bs, sc);
     std::vector<int64_t> lim(kTileRows * g);
     for (int64_t work = begin; work < end; ++work) {
-      const int64_t p = work / (Hk * tiles), h = work / tiles % Hk, r0 = work % tiles * kTileRows;
-      const int64_t rows = std::min(kTileRows, Q - r0), G = rows * g;
-      if (h >= live) {  // padding: nothing to read
-        for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* o = op + ((p * Q + r0 + r) * Hq + h * g) * D;
-          std::fill(o, o + g * D, scalar_t(0));
-        }
-        continue;
-      }
+      const int64_t p = work / (Hk * tiles), h = work / tiles % Hk, t0 = work % tiles * kTileRows;
+      const int64_t n = static_cast<int64_t>(own[h].size());
+      if (t0 >= n) continue;  // fewer rows than tiles: nothing left for this one
+      const int64_t nrows = std::min(kTileRows, n - t0), G = nrows * g;
+      const int64_t* tile = own[h].data() + t0;
       std::fill(s.qf.begin(), s.qf.end(), 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < nrows; ++r) {
         for (int64_t i = 0; i < g; ++i) {
-          load_query(qp + (((p * Q + r0 + r) * Hq) + h * g + i) * D, s, r * g + i, D);
-          lim[r * g + i] = pos[p * Q + r0 + r] + 1;
+          load_query(qp + (((p * Q + tile[r]) * Hq) + h * g + i) * D, s, r * g + i, D);
+          lim[r * g + i] = pos[p * Q + tile[r]] + 1;
         }
       }
       attend(s, G, lim.data(), bt + p * M, M, kp + h * k_cache.stride(2), k_cache.stride(0),
              k_cache.stride(1), vp + h * v_cache.stride(2), v_cache.stride(0),
              v_cache.stride(1), D, bs);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < nrows; ++r) {
         for (int64_t i = 0; i < g; ++i) {
-          store_output(s, r * g + i, D, op + (((p * Q + r0 + r) * Hq) + h * g + i) * D);
+          store_output(s, r * g + i, D, op + (((p * Q + tile[r]) * Hq) + h * g + i) * D);
         }
       }
     }
@@ -240,11 +265,27 @@ void check_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache
               op, ": q and caches must share a dtype");
 }
 
-// The live KV heads of a rank (kv_live, an int64 scalar), all of them without it.
-int64_t live_heads(const std::optional<at::Tensor>& kv_live, const at::Tensor& k_cache) {
-  if (!kv_live.has_value()) return k_cache.size(2);
-  TORCH_CHECK(kv_live->numel() == 1, "kv_live: one integer");
-  return std::clamp<int64_t>(kv_live->item<int64_t>(), 0, k_cache.size(2));
+// kv_live as a HeadRows: none -> every row of every head; a scalar n (engines of stop 29)
+// -> heads 0 .. n - 1 every row, the rest none; else [Hk, 3] (modulus, lo, hi).
+HeadRows head_rows(const std::optional<at::Tensor>& kv_live, int64_t Hk) {
+  HeadRows r{std::vector<int64_t>(Hk, 1), std::vector<int64_t>(Hk, 0),
+             std::vector<int64_t>(Hk, 1)};
+  if (!kv_live.has_value()) return r;
+  auto t = kv_live->to(at::kLong).contiguous();
+  const int64_t* v = t.data_ptr<int64_t>();
+  if (t.numel() == 1) {
+    for (int64_t h = std::max<int64_t>(v[0], 0); h < Hk; ++h) r.hi[h] = 0;
+    return r;
+  }
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == Hk && t.size(1) == 3,
+              "kv_live: [Hk, 3] (modulus, lo, hi) for the cache's ", Hk, " KV heads");
+  for (int64_t h = 0; h < Hk; ++h) {
+    TORCH_CHECK(v[3 * h] >= 1, "kv_live: a modulus of at least 1");
+    r.mod[h] = v[3 * h];
+    r.lo[h] = v[3 * h + 1];
+    r.hi[h] = v[3 * h + 2];
+  }
+  return r;
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -260,10 +301,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   auto qc = q.contiguous();
   auto bt = block_tables.to(at::kLong).contiguous();
   auto qpos = q_pos.to(at::kLong).contiguous();
-  const int64_t live = live_heads(kv_live, k_cache);
+  const HeadRows rows = head_rows(kv_live, k_cache.size(2));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_prefill", [&] {
-    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, live, out);
+    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, rows, out);
   });
   return out;
 }
@@ -277,10 +318,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto qc = q.contiguous();
   auto bt = block_tables.to(at::kLong).contiguous();
   auto cl = ctx_lens.to(at::kLong).contiguous();
-  const int64_t live = live_heads(kv_live, k_cache);
+  const HeadRows rows = head_rows(kv_live, k_cache.size(2));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, live, out);
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, rows, out);
   });
   return out;
 }

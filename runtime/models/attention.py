@@ -33,8 +33,10 @@ class AttentionMetadata:
     dec_ctx_lens: torch.Tensor  # [Bd] int64: keys visible to each decode query
     pf_q_index: torch.Tensor  # [Bp, Q] int64: token index of each prefill query (padded)
     pf_block_tables: torch.Tensor  # [Bp, Mp] int64
-    # [] int64: this rank's real KV heads (the rest are TP padding, zeros); the kernels skip
-    # the padding, the tensor path attends to its zeros (the same zeros out). None: all real.
+    # [Hk, 3] int64 (modulus, lo, hi): KV head h attends row r when lo <= r % modulus < hi
+    # (runtime/models/kv_heads.py: a head shared by two ranks, a zero head); r is a decode
+    # query's batch row, or a prompt query's row in its chunk. Its output elsewhere is
+    # zeros. None: every row of every head.
     kv_live: torch.Tensor | None = None
 
 
@@ -84,6 +86,12 @@ def decode_attention(
     return _softmax_av(sd, maskd, vd).reshape(bd, hq * d)
 
 
+def _row_mask(kv_rows: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """[n, Hk] bool: which KV heads rows 0 .. n - 1 attend (kv_rows: AttentionMetadata's)."""
+    r = torch.arange(n, device=device).unsqueeze(1) % kv_rows[:, 0]
+    return (r >= kv_rows[:, 1]) & (r < kv_rows[:, 2])
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
     meta: AttentionMetadata, scale: float, use_kernels: bool = False,
@@ -108,6 +116,9 @@ def paged_attention(
     else:
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
                               scale)
+        if meta.kv_live is not None:  # the rows another rank attends: zeros, as the kernel
+            keep = _row_mask(meta.kv_live, bd, q.device).unsqueeze(-1)  # [Bd, Hk, 1]
+            od = (od.view(bd, hk, g * d) * keep).reshape(bd, hq * d)
 
     bp, nq = meta.pf_q_index.shape
     qp = q[meta.pf_q_index]  # [Bp, Q, Hq, D]
@@ -131,6 +142,9 @@ def paged_attention(
     maskp = cp.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [Bp, Q, C]
     maskp = maskp.unsqueeze(1).unsqueeze(1).expand(bp, 1, g, nq, -1).reshape(bp, 1, g * nq, -1)
     op = _softmax_av(sp, maskp, vp)  # [Bp, Hk, g * Q, D]
-    op = op.view(bp, hk, g, nq, d).permute(0, 3, 1, 2, 4).reshape(bp * nq, hq * d)
+    op = op.view(bp, hk, g, nq, d).permute(0, 3, 1, 2, 4)  # [Bp, Q, Hk, g, D]
+    if meta.kv_live is not None:
+        op = op * _row_mask(meta.kv_live, nq, q.device).view(1, nq, hk, 1, 1)
+    op = op.reshape(bp * nq, hq * d)
 
     return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]

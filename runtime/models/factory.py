@@ -8,6 +8,7 @@ import torch
 
 from contract.quant import NONE, Quantization
 from runtime.models.config import ModelConfig
+from runtime.models.kv_heads import rows_from_live
 from runtime.models.llama import LlamaForCausalLM, local_heads
 from runtime.models.parallel import TPContext
 
@@ -35,10 +36,14 @@ def build_model(cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, device: str
 
 def bind_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
     """Bind a rank's tensors to the model without copying (strict: names and shapes).
-    Shards written before `kv_heads_live` existed take the model's own (every KV head
-    attended, padding included, as those engines did)."""
-    if "kv_heads_live" not in weights:
-        weights = {**weights, "kv_heads_live": model.kv_heads_live.detach().clone()}
+    Shards written before `kv_head_rows` existed take it from stop 29's `kv_heads_live`
+    (zero heads at the end), or the model's own: every row of every KV head attended,
+    padding included, as the engines before that did."""
+    if "kv_head_rows" not in weights:
+        own = model.kv_head_rows.detach().clone()
+        live = weights.get("kv_heads_live")
+        rows = own if live is None else rows_from_live(int(live), own.shape[0])
+        weights = {k: v for k, v in weights.items() if k != "kv_heads_live"} | {"kv_head_rows": rows}
     model.load_state_dict(weights, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)

@@ -22,6 +22,7 @@ from contract.layout import (
 from contract.quant import NONE, Quantization
 from runtime.models.attention import AttentionMetadata, paged_attention, write_kv
 from runtime.models.config import ModelConfig
+from runtime.models.kv_heads import padded
 from runtime.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -140,11 +141,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
                                       head_fmt)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
-        # This rank's real KV heads (sharding.kv_heads_live), the rest TP padding: a
-        # parameter bound with the rank's weights, as embed_tokens.vocab_start, so that one
-        # program serves every rank; the attention kernels skip the padding.
-        self.kv_heads_live = nn.Parameter(torch.tensor(local_heads(cfg, tp.size)[1]),
-                                          requires_grad=False)
+        # Which rows each of this rank's KV heads attends (runtime/models/kv_heads.py: a
+        # head shared with another rank for some rows, a zero head for none): a parameter
+        # bound with the rank's weights, as embed_tokens.vocab_start, so that one program
+        # serves every rank. Only a padded layout has anything but every row.
+        hk = local_heads(cfg, tp.size)[1]
+        self.kv_head_rows = nn.Parameter(torch.tensor([[1, 0, 1]] * hk), requires_grad=False)
+        self.padded_kv = padded(cfg, tp.size)
 
     def forward(
         self,
@@ -163,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [L, vocab] float32
         meta = AttentionMetadata(
             slot_mapping, out_index, dec_q_index, dec_block_tables, dec_ctx_lens,
-            pf_q_index, pf_block_tables, self.kv_heads_live,
+            pf_q_index, pf_block_tables, self.kv_head_rows if self.padded_kv else None,
         )
         block_size = k_caches[0].shape[1]
         block_index, block_offset = slot_mapping // block_size, slot_mapping % block_size

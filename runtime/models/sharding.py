@@ -8,9 +8,11 @@ kinds:
   column        split dim 0 (output rows) evenly
   row           split dim 1 (input columns) evenly
   vocab         split dim 0 by vocabulary slice (embedding, LM head)
-  qkv           q rows by query head, k/v rows by KV head (replicated when KV heads < TP;
-                zero heads appended when neither divides the other, see ModelConfig.tp_heads)
-  o_proj        row, after appending zero input columns for those appended query heads
+  qkv           q rows by query head, k/v rows by KV head (replicated when KV heads < TP).
+                When neither divides the other (ModelConfig.tp_heads), each rank takes its
+                slots of runtime/models/kv_heads.py's plan: a head two ranks share is on
+                both, or, where the plan cannot share, zero heads are appended
+  o_proj        row, the input columns of each rank's slots likewise
   merged        gate and up each split dim 0, then concatenated
 """
 
@@ -24,6 +26,14 @@ import torch
 from contract.layout import PANEL_COLUMNS
 from contract.quant import NONE, Quantization, QuantSpec
 from runtime.models.config import ModelConfig
+from runtime.models.kv_heads import (
+    group_width,
+    kv_head_range,
+    kv_head_rows,
+    shared_slots,
+    slot_heads,
+    slot_qheads,
+)
 from runtime.models.rope import inv_frequencies
 from runtime.quant import (
     QTensor,
@@ -147,26 +157,6 @@ def is_qpanel_weight(rule: ShardRule, cfg: ModelConfig, quant: Quantization,
             and rule.kind in _LINEAR_KINDS and quant_spec_for(rule, cfg, quant) is not None)
 
 
-def kv_head_range(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
-    """[start, end) of the (padded) KV heads rank `rank` holds."""
-    _, hk = cfg.tp_heads(tp)
-    if tp <= hk:
-        per = hk // tp
-        return rank * per, (rank + 1) * per
-    head = rank // (tp // hk)  # ranks sharing one replicated KV head are neighbours
-    return head, head + 1
-
-
-def kv_heads_live(cfg: ModelConfig, tp: int, rank: int) -> int:
-    """How many of rank `rank`'s KV heads are the model's (the first ones): the rest are the
-    zero heads tp_heads appends, whose attention the kernels skip."""
-    _, hk = cfg.tp_heads(tp)
-    if tp > hk:  # a replicated real head
-        return 1
-    lo, hi = kv_head_range(cfg, tp, rank)
-    return max(0, min(hi, cfg.num_key_value_heads) - lo)
-
-
 def _split(t: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:
     return t.chunk(tp, dim=dim)[rank]
 
@@ -189,6 +179,15 @@ def shard_qtensor(
         out = q_split_cols(tensors[0], tp, rank, what)
     elif rule.kind == "merged":
         out = q_cat_rows([_qrows(t, tp, rank) for t in tensors])
+    elif rule.kind in ("o_proj", "qkv") and (
+            slots := shared_slots(cfg, tp, rank, tensors[0].spec)) is not None:
+        if rule.kind == "o_proj":
+            out = slot_qheads(tensors[0], slots, group_width(cfg), 1, what)
+        else:
+            q, k, v = tensors
+            out = q_cat_rows([slot_qheads(q, slots, group_width(cfg), 0, what),
+                              slot_qheads(k, slots, cfg.head_dim, 0, what),
+                              slot_qheads(v, slots, cfg.head_dim, 0, what)])
     elif rule.kind == "o_proj":
         q_heads, _ = cfg.tp_heads(tp)
         out = q_split_cols(q_pad_cols(tensors[0], q_heads * cfg.head_dim, what), tp, rank, what)
@@ -219,9 +218,11 @@ def _pad_rows(t: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
 
 
 def shard_tensor(
-    rule: ShardRule, tensors: list[torch.Tensor], cfg: ModelConfig, tp: int, rank: int
+    rule: ShardRule, tensors: list[torch.Tensor], cfg: ModelConfig, tp: int, rank: int,
+    linear: QuantSpec | None = None,
 ) -> torch.Tensor:
-    """Cut rank `rank`'s piece of one parameter from its full source tensors."""
+    """Cut rank `rank`'s piece of one parameter from its full source tensors (`linear`:
+    the decoder linears' quantization, which the KV head plan depends on)."""
     if rule.kind == "replicate":
         return tensors[0]
     if rule.kind in ("column", "vocab"):
@@ -230,6 +231,13 @@ def shard_tensor(
         return _split(tensors[0], 1, tp, rank)
     if rule.kind == "merged":
         return torch.cat([_split(t, 0, tp, rank) for t in tensors], dim=0)
+    slots = shared_slots(cfg, tp, rank, linear) if rule.kind in ("o_proj", "qkv") else None
+    if slots is not None and rule.kind == "o_proj":
+        return slot_heads(tensors[0], slots, group_width(cfg), 1)
+    if slots is not None:
+        q, k, v = tensors
+        return torch.cat((slot_heads(q, slots, group_width(cfg), 0),
+                          slot_heads(k, slots, cfg.head_dim, 0), slot_heads(v, slots, cfg.head_dim, 0)))
     if rule.kind == "o_proj":
         q_heads, _ = cfg.tp_heads(tp)
         return _split(_pad_rows(tensors[0], q_heads * cfg.head_dim, dim=1), 1, tp, rank)
@@ -270,10 +278,10 @@ def shard_state_dict(
             base = rule.name.removesuffix(".weight")
             out.update({f"{base}.{k}": v for k, v in qt.packed().items()})
             continue
-        piece = shard_tensor(rule, [get(s) for s in rule.sources], cfg, tp, rank)
+        piece = shard_tensor(rule, [get(s) for s in rule.sources], cfg, tp, rank, quant.linear)
         out[rule.name] = piece.to(dtype).contiguous()
     # Buffers travel with the weights so that one compiled program serves every rank.
     out["embed_tokens.vocab_start"] = torch.tensor(rank * (cfg.vocab_size // tp), dtype=torch.int64)
-    out["kv_heads_live"] = torch.tensor(kv_heads_live(cfg, tp, rank), dtype=torch.int64)
+    out["kv_head_rows"] = kv_head_rows(cfg, tp, rank, quant.linear)
     out["inv_freq"] = inv_frequencies(cfg.rope, cfg.head_dim)
     return out

@@ -75,12 +75,42 @@ def test_padded_kv_heads_are_skipped_and_give_zeros(lib: Path) -> None:
     assert torch.equal(gotp[:, :, :3], wantp) and not gotp[:, :, 3:].any()
 
 
+def test_a_shared_head_attends_its_rows_and_zeros_the_rest(lib: Path) -> None:
+    """kv_live [Hk, 3] (runtime/models/kv_heads.py): head 0 every row, head 1 the odd rows
+    (the even ones are another rank's), head 2 none: its cache, NaN here, is never read.
+    Decode rows count in the batch, prompt rows in their chunk."""
+    torch.manual_seed(8)
+    nb, bs, b, hq, hk, d = 12, 16, 5, 6, 3, 64
+    kc, vc = (torch.randn(nb, bs, hk, d).to(torch.bfloat16) for _ in range(2))
+    kc[:, :, 2], vc[:, :, 2] = float("nan"), float("nan")
+    rows = torch.tensor([[1, 0, 1], [2, 1, 2], [1, 0, 0]])
+    q = torch.randn(b, hq, d).to(torch.bfloat16)
+    tables, ctx = torch.randint(0, nb, (b, 4)), torch.tensor([5, 16, 40, 1, 64])
+    got = torch.ops.aotllm.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, rows)
+    want = torch.ops.aotllm.paged_decode_attention(q[:, :4], kc[:, :, :2], vc[:, :, :2], tables,
+                                                   ctx, 0.125)
+    odd = torch.arange(b) % 2 == 1
+    assert torch.equal(got[:, :2], want[:, :2]) and torch.equal(got[odd, 2:4], want[odd, 2:4])
+    assert not got[~odd, 2:4].any() and not got[:, 4:].any()
+    qp = torch.randn(2, 19, hq, d).to(torch.bfloat16)  # 10 odd rows: a tile of 8 and one of 2
+    pos = torch.stack((torch.arange(19), torch.arange(19) + 30))
+    gotp = torch.ops.aotllm.paged_prefill_attention(qp, kc, vc, tables[:2], pos, 0.125, rows)
+    wantp = torch.ops.aotllm.paged_prefill_attention(qp[:, :, :4], kc[:, :, :2], vc[:, :, :2],
+                                                     tables[:2], pos, 0.125)
+    oddp = torch.arange(19) % 2 == 1
+    assert torch.equal(gotp[:, :, :2], wantp[:, :, :2])
+    assert torch.equal(gotp[:, oddp, 2:4], wantp[:, oddp, 2:4])
+    assert not gotp[:, ~oddp, 2:4].any() and not gotp[:, :, 4:].any()
+
+
+@pytest.mark.parametrize("kv_rows", [None, [[1, 0, 1], [2, 1, 2]], [[2, 0, 1], [1, 0, 0]]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_step_attends_the_same_with_the_kernel_as_with_tensor_operations(
-        lib: Path, dtype: torch.dtype) -> None:
+        lib: Path, dtype: torch.dtype, kv_rows: list[list[int]] | None) -> None:
     """Decode rows and prefill chunks (one starting at 0, one after cached blocks, a
     one-token-short chunk padded) in one step: the kernel path, which runs prefill queries
-    as rows of the decode kernel with their own causal lengths, equals the tensor path."""
+    as rows of the decode kernel with their own causal lengths, equals the tensor path;
+    with a head shared between ranks or a zero head too (kv_live: which rows each attends)."""
     torch.manual_seed(3)
     bs, hq, hk, d, nb = 4, 6, 2, 16, 64
     kc, vc = (torch.randn(nb, bs, hk, d).to(dtype) for _ in range(2))
@@ -92,7 +122,8 @@ def test_a_mixed_step_attends_the_same_with_the_kernel_as_with_tensor_operations
         items.append((SeqState([5] * (done + new), table), ScheduledSeq(i, done, new, [], True)))
     args, _ = prepare_inputs(items, bs)
     _, positions, slots, out_index, dq, dt, dc, pq, pt, _ = args
-    meta = AttentionMetadata(slots, out_index, dq, dt, dc, pq, pt)
+    meta = AttentionMetadata(slots, out_index, dq, dt, dc, pq, pt,
+                             None if kv_rows is None else torch.tensor(kv_rows))
     q = torch.randn(positions.shape[0], hq, d).to(dtype)
     got = paged_attention(q, kc, vc, positions, meta, d**-0.5, use_kernels=True)
     want = paged_attention(q.float(), kc.float(), vc.float(), positions, meta, d**-0.5)
