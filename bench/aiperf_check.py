@@ -11,17 +11,20 @@ Both clients run on the same 2 cores as the server, so both take CPU from it, eq
 both servers; the table puts the two clients' throughput, TTFT and ITL side by side.
 Writes bench/results/<stamp>/aiperf.md and .json.
 
-Needs a core the servers do not use. Measured on the 2-core CI VM (stop 21): AIPerf 0.13's
-timing service kept one core 70-90 % busy for the whole run, and our server's two OpenMP
-compute threads then waited on the preempted one at every parallel region (~240 a step):
-a c=1 stream fell from 35 to ~1.2 tokens/s, so the two clients' numbers were not comparable
-and the run was stopped. Run it where the client has its own core (or host).
+The clients need a core the servers do not use. Measured on the 2-core CI VM (stop 21):
+AIPerf 0.13's timing service kept one core 70-90 % busy for the whole run, and our server's
+two OpenMP compute threads then waited on the preempted one at every parallel region: a c=1
+stream fell from 35 to ~1.2 tokens/s, and the two clients' numbers were not comparable. So
+by default the servers are confined to all cores but the last (taskset; our ranks size their
+threads by it, llama-server gets -t to match) and both clients run on the last one
+(`--shared-cores`: everything on every core, as `make bench` runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -32,7 +35,7 @@ from typing import Any
 from bench import common, systems
 from bench.loadgen import LoadSpec, exact_length_body, run_load
 from bench.prompts import load_tokenizer, make_prompts
-from bench.servers import llama_spec, ours_spec, serve
+from bench.servers import llama_spec, ours_spec, pinned, serve
 
 PROMPT_LEN = MAX_TOKENS = 128
 
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", type=Path, default=None, help="default: pipeline build (bf16)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--requests", type=int, nargs="+", default=[4, 32])
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="servers and clients on every core (default: the clients get the last)")
     args = ap.parse_args(argv)
     if len(args.levels) != len(args.requests):
         raise SystemExit("error: --levels and --requests need the same number of values")
@@ -111,8 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
     tok = load_tokenizer(hf_dir)
     rows: list[dict[str, Any]] = []
+    cores = sorted(os.sched_getaffinity(0))
+    split = not args.shared_cores and len(cores) >= 2
+    server_cores = set(cores[:-1]) if split else set(cores)
     specs = [ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1"),
-             llama_spec(gguf, common.free_port())]  # fmt: skip
+             llama_spec(gguf, common.free_port(), threads=len(server_cores))]  # fmt: skip
+    if split:
+        specs = [pinned(s, server_cores) for s in specs]
+        os.sched_setaffinity(0, {cores[-1]})  # this process's loadgen, and AIPerf under it
+    placement = (f"servers on cores {sorted(server_cores)}, both clients on core {cores[-1]}"
+                 if split else f"servers and clients on the same {len(cores)} cores")
     for spec in specs:
         with serve(spec, out / "logs") as running:
             url = running.spec.base_url
@@ -131,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         f"# bench.loadgen against AIPerf ({out.name})", "",
         f"Engine {engine}; llama-server on {gguf.name}; {PROMPT_LEN}-token prompts, "
-        f"{MAX_TOKENS} tokens out, streamed. AIPerf's prompts are {PROMPT_LEN} tokens before "
-        "the chat template (its ISL below counts the template too).", "",
+        f"{MAX_TOKENS} tokens out, streamed; {placement}. AIPerf's prompts are {PROMPT_LEN} "
+        "tokens before the chat template (its ISL below counts the template too).", "",
         *table(rows), "",
         "AIPerf ISL / OSL per run: " + ", ".join(
             f"{r['server']} c={r['c']}: {r['isl_avg']:.0f} / {r['osl_avg']:.0f}"

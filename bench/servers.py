@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,13 @@ def ours_spec(
 
 
 def llama_spec(gguf: Path, port: int, parallel: int = 16, ctx_per_slot: int = 512,
-               repack: bool = True) -> ServerSpec:
+               repack: bool = True, threads: int = 2) -> ServerSpec:
     """`repack` False: llama.cpp keeps the file's blocks as they are (--no-repack) instead of
     repacking them for its CPU kernels (AMX's, where the CPU has it)."""
     # -c is the total context, split evenly across the -np slots.
     argv = (
-        str(llama_server_bin()), "-m", str(gguf), "-np", str(parallel), "-t", "2", "-tb", "2",
+        str(llama_server_bin()), "-m", str(gguf), "-np", str(parallel), "-t", str(threads),
+        "-tb", str(threads),
         "-c", str(parallel * ctx_per_slot), "--host", "127.0.0.1", "--port", str(port),
         *(() if repack else ("--no-repack",)),
     )  # fmt: skip
@@ -97,6 +98,12 @@ def vllm_spec(
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": cores,
            "VLLM_CACHE_ROOT": str(cache_root)}  # fmt: skip
     return ServerSpec("vllm", argv, port, "/health", env=env, ready_timeout_s=900.0)
+
+
+def pinned(spec: ServerSpec, cores: set[int]) -> ServerSpec:
+    """The server confined to `cores` (taskset): our ranks size their threads by the cores
+    they may use (serve/threads.py); llama-server is given its -t by the caller."""
+    return replace(spec, argv=("taskset", "-c", ",".join(map(str, sorted(cores))), *spec.argv))
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench import common, run, systems
+from bench.servers import ServerSpec, pinned
 
 
 def test_quantized_systems_measure_only_their_levels() -> None:
@@ -53,3 +57,13 @@ def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
     planned = {p.name: p for p in systems.plan_quant(hf_dir, sh, ["ours-tp1-int8", "ours-tp2-int8"])}
     assert built == [] and planned["ours-tp1-int8"].spec is None
     assert planned["ours-tp1-int8"].why == "skipped on the command line"
+
+
+def test_a_pinned_server_runs_on_its_cores_only() -> None:
+    """The AIPerf cross-check confines the servers to cores the clients do not use."""
+    core = min(os.sched_getaffinity(0))
+    spec = pinned(ServerSpec("probe", (sys.executable, "-c",
+                                       "import os; print(sorted(os.sched_getaffinity(0)))"),
+                             8000, "/"), {core})
+    out = subprocess.run(list(spec.argv), capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{core}]"
