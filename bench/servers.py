@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, cmdline, llama_server_bin, session_stats, vllm_python
+from serve.cores import KEEP_BINDING_ENV
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,10 @@ def vllm_spec(
 
 def pinned(spec: ServerSpec, cores: set[int]) -> ServerSpec:
     """The server confined to `cores` (taskset): our ranks size their threads by the cores
-    they may use (serve/threads.py); llama-server is given its -t by the caller."""
-    return replace(spec, argv=("taskset", "-c", ",".join(map(str, sorted(cores))), *spec.argv))
+    they may use (serve/threads.py) and keep the binding instead of widening it to their
+    launcher's (serve/cores.py); llama-server is given its -t by the caller."""
+    return replace(spec, argv=("taskset", "-c", ",".join(map(str, sorted(cores))), *spec.argv),
+                   env={**spec.env, KEEP_BINDING_ENV: "1"})
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
