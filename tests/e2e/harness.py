@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,10 +53,22 @@ class Probe:
     ready_body: Any = None
 
 
+# Ports below the kernel's ephemeral range (32768-60999 here), shuffled once per process.
+# A port bind(0) hands out is ephemeral: between our close and the server's bind, any
+# outbound connection (a client, mpirun's own) could take it, and the server then failed
+# with "port already in use" (one CI run in many).
+_CANDIDATES = iter(random.Random(os.getpid()).sample(range(20000, 32768), 12768))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    for port in _CANDIDATES:
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 Body = bytes | str | dict | list[bytes] | None  # a list of bytes is sent chunked
