@@ -85,22 +85,12 @@ def group_width(cfg: ModelConfig) -> int:
 def kv_plan(cfg: ModelConfig, tp: int, linear: QuantSpec | None = None) -> list[list[KVSlot]]:
     """Each rank's KV slots, rank by rank (every rank has the same number)."""
     h = cfg.num_key_value_heads
-    total = cfg.tp_heads(tp)[1]
-    if total == h and tp > h:  # one replicated head a rank; ranks sharing it are neighbours
-        return [[KVSlot(r // (tp // h))] for r in range(tp)]
-    per = total // tp
     if shares_heads(cfg, tp, linear):
-        plan = _shared_plan(h, tp, per)
+        plan = _shared_plan(h, tp, cfg.tp_heads(tp)[1] // tp)
         assert plan is not None
         return plan
-    heads = [KVSlot(j) for j in range(h)] + [ZERO_SLOT] * (total - h)
-    return [heads[r * per:(r + 1) * per] for r in range(tp)]
-
-
-def padded_head_order(cfg: ModelConfig, tp: int, linear: QuantSpec | None = None) -> list[int | None]:
-    """The model's KV head in each of the padded layout's slots, ranks in order: the order
-    the padded q, k, v rows and o_proj columns are laid out in before an even split."""
-    return [s.head for rank in kv_plan(cfg, tp, linear) for s in rank]
+    return [[KVSlot(j) if j < h else ZERO_SLOT for j in range(*kv_head_range(cfg, tp, r))]
+            for r in range(tp)]
 
 
 def kv_head_rows(cfg: ModelConfig, tp: int, rank: int, linear: QuantSpec | None = None) -> torch.Tensor:
