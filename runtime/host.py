@@ -12,6 +12,17 @@ from pathlib import Path
 
 from contract.target import ISA_LEVELS, Target, cpu_isa_level, normalize_sm
 
+# A cap on the CPU ISA level this process uses (one of ISA_LEVELS): builds compile for it,
+# the compatible gate checks against it, and ATen and oneDNN are held to it (runtime/__init__
+# sets isa_env's variables before torch runs an op), so that every kernel path of a weaker
+# target is built and tested on a stronger host. Unset: the host's own level.
+ISA_ENV = "AOTLLM_CPU_ISA"
+# What ATen (its vectorised kernels, and Inductor's code) and oneDNN are told for each level.
+_ATEN_CAPABILITY = {"baseline": "default", "avx2": "avx2", "avx512": "avx512",
+                    "avx512_bf16": "avx512", "amx": "avx512"}
+_ONEDNN_ISA = {"baseline": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
+               "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
+
 # Only consulted when torch cannot query the GPU itself (a CPU-only torch beside TensorRT-LLM,
 # or the test suite's contract fake, which has no CUDA): the GPU's SM, e.g. sm_90 or 9.0.
 SM_ENV = "AOTLLM_GPU_SM"
@@ -30,9 +41,34 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
+def isa_cap() -> str | None:
+    """The level AOTLLM_CPU_ISA caps this process at, or None; ValueError when unknown."""
+    raw = os.environ.get(ISA_ENV, "").strip()
+    if not raw:
+        return None
+    if raw not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={raw!r} is not a CPU ISA level; use one of "
+                         f"{', '.join(ISA_LEVELS)}")
+    return raw
+
+
+def isa_env(level: str) -> dict[str, str]:
+    """The environment that holds a process (ours, ATen, oneDNN) to ISA `level`."""
+    if level not in ISA_LEVELS:
+        raise ValueError(f"unknown CPU ISA level {level!r}; known: {', '.join(ISA_LEVELS)}")
+    return {ISA_ENV: level, "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY[level],
+            "ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[level]}
+
+
 def host_cpu_target() -> Target:
+    """This host's CPU target: its strongest ISA level, or AOTLLM_CPU_ISA's if lower."""
     arch = platform.machine() or "unknown"
-    isa = cpu_isa_level(cpu_flags()) if arch in ("x86_64", "AMD64") else "baseline"
+    if arch not in ("x86_64", "AMD64"):
+        return Target(device="cpu", arch=arch, isa="baseline")
+    isa = cpu_isa_level(cpu_flags())
+    cap = isa_cap()
+    if cap is not None and ISA_LEVELS.index(cap) < ISA_LEVELS.index(isa):
+        isa = cap
     return Target(device="cpu", arch=arch, isa=isa)
 
 

@@ -24,7 +24,7 @@ from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from contract.target import Target
 from pipeline.compile.extract import extract_package
-from pipeline.compile.kernels import build_kernels
+from pipeline.compile.kernels import MARCH, build_kernels
 from pipeline.progress import Progress
 from runtime import kernels
 from runtime.models.config import ModelConfig
@@ -81,6 +81,15 @@ def dynamic_shapes(profile: BuildProfile, layers: int) -> tuple[object, ...]:
     )
 
 
+def _target_configs(target: Target) -> dict[str, object]:
+    """Inductor settings for a CPU target: its -march, not the build host's (-march=native),
+    so an engine recorded for avx2 holds no AVX-512 instruction. The vector width of the
+    generated loops follows ATEN_CPU_CAPABILITY, which AOTLLM_CPU_ISA sets (runtime/host.py)."""
+    if target.device != "cpu" or target.arch not in ("x86_64", "AMD64"):
+        return {}
+    return {"cpp.march": MARCH[target.isa or "baseline"]}
+
+
 @contextlib.contextmanager
 def _trace_group(tp: int) -> Iterator[None]:
     """A fake world group of size tp, so collectives trace with the serve-time group name."""
@@ -135,6 +144,7 @@ def compile_engine(
                     # Inductor otherwise inlines tiny parameters as literals: the vocabulary
                     # offset would be rank 0's in every rank's program.
                     "always_keep_tensor_constants": True,
+                    **_target_configs(target),
                 },
             )
     paths = [first]

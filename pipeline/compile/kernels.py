@@ -22,14 +22,15 @@ from pipeline.progress import Progress
 from pipeline.resolve import cache_root
 from runtime.kernels import HEADERS, SOURCES
 
-# The ISA levels of contract/target.py as compiler flags (x86-64 micro-architecture levels).
-_ISA_FLAGS = {
-    "baseline": ["-march=x86-64"],
-    "avx2": ["-march=x86-64-v3"],
-    "avx512": ["-march=x86-64-v4"],
-    "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
-    "amx": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
-}
+# The ISA levels of contract/target.py as x86-64 micro-architecture levels and the
+# extensions above them: our kernels' flags, and Inductor's `cpp.march` for the step
+# program (pipeline/compile/aoti.py), whose default, -march=native, would put the build
+# host's instructions into an engine recorded for a weaker target.
+MARCH = {"baseline": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4",
+         "avx512_bf16": "x86-64-v4", "amx": "x86-64-v4"}
+_EXTENSIONS = {"avx512_bf16": ["-mavx512bf16", "-mavx512vnni"],
+               "amx": ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"]}
+_ISA_FLAGS = {isa: [f"-march={m}", *_EXTENSIONS.get(isa, [])] for isa, m in MARCH.items()}
 LIB_NAME = "libaotllm_kernels.so"
 
 
