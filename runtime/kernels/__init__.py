@@ -63,32 +63,31 @@ def _register_fakes() -> None:
                  kv_live: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q)
 
+    def _out(x: torch.Tensor, n: int, float_out: bool) -> torch.Tensor:
+        # `float_out`: float32 whatever x is (the LM head's logits)
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.float32 if float_out else x.dtype)
+
     @_fake("linear")
-    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
+    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                float_out: bool = False) -> torch.Tensor:
+        return _out(x, w.shape[0], float_out)
 
-    @_fake("linear_panel")
-    def _linear_panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-    _fake("linear_pairs")(_linear_panel)  # same signature and shapes, another weight order
+    _fake("linear_panel")(_linear)  # same signature and shapes, another weight order
+    _fake("linear_pairs")(_linear)
 
     @_fake("linear_int8")
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     b: torch.Tensor | None, group_size: int) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+                     b: torch.Tensor | None, group_size: int,
+                     float_out: bool = False) -> torch.Tensor:
+        return _out(x, qweight.shape[0], float_out)
 
     @_fake("linear_int4")
     def _linear_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      mins: torch.Tensor | None, b: torch.Tensor | None,
-                     group_size: int) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+                     group_size: int, float_out: bool = False) -> torch.Tensor:
+        return _out(x, qweight.shape[0], float_out)
 
-    @_fake("linear_qpanel")
-    def _linear_qpanel(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       mins: torch.Tensor | None, b: torch.Tensor | None,
-                       group_size: int) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    _fake("linear_qpanel")(_linear_int4)  # the int4 signature; qweight int8 or packed int4
 
     @_fake("dequantize")
     def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -15,7 +15,7 @@
 // loops over the same order.
 //
 // x [..., K], w [N, K] in pair panels (N % 16 == 0, K % 32 == 0, x's dtype), b [N] or none
-// -> [..., N] in x's dtype; float32 sums.
+// -> [..., N] in x's dtype, or float32 with `float_out` (the LM head's logits); float32 sums.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -41,8 +41,8 @@ inline int64_t pair_index(int64_t K, int64_t n, int64_t k) {
   return (n / kCols) * kCols * K + (k / 2) * 2 * kCols + (n % kCols) * 2 + k % 2;
 }
 
-template <typename T>
-void pairs_generic(const T* x, const T* w, const float* bias, T* y, int64_t M, int64_t N,
+template <typename T, typename Y>
+void pairs_generic(const T* x, const T* w, const float* bias, Y* y, int64_t M, int64_t N,
                    int64_t K) {
   at::parallel_for(0, N, kCols, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
@@ -50,18 +50,19 @@ void pairs_generic(const T* x, const T* w, const float* bias, T* y, int64_t M, i
         float acc = 0.f;
         for (int64_t k = 0; k < K; ++k)
           acc += static_cast<float>(x[m * K + k]) * static_cast<float>(w[pair_index(K, n, k)]);
-        y[m * N + n] = static_cast<T>(acc + (bias ? bias[n] : 0.f));
+        y[m * N + n] = static_cast<Y>(acc + (bias ? bias[n] : 0.f));
       }
   });
 }
 
 // y's rows [m0, m1) of panel p from float32 sums c [rows, 16], the bias added, rounded once.
+template <typename Y>
 inline void store_panel(const float* c, int64_t m0, int64_t m1, int64_t p, const float* bias,
-                        at::BFloat16* y, int64_t N) {
+                        Y* y, int64_t N) {
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t j = 0; j < kCols; ++j) {
       const int64_t n = p * kCols + j;
-      y[m * N + n] = static_cast<at::BFloat16>(c[(m - m0) * kCols + j] + (bias ? bias[n] : 0.f));
+      y[m * N + n] = static_cast<Y>(c[(m - m0) * kCols + j] + (bias ? bias[n] : 0.f));
     }
 }
 
@@ -84,8 +85,9 @@ void dpbf16_rows(const int32_t* xp, int64_t K, const char* pw, float* c) {
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * kCols, _mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias,
-                  at::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+template <typename Y>
+void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, Y* y,
+                  int64_t M, int64_t N, int64_t K) {
   const auto* xp = reinterpret_cast<const int32_t*>(x);
   at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[4 * kCols];
@@ -108,8 +110,9 @@ void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bia
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, at::BFloat16* y,
-               int64_t M, int64_t N, int64_t K) {
+template <typename Y>
+void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, Y* y, int64_t M,
+               int64_t N, int64_t K) {
   using namespace aotllm;  // NOLINT: the tiles (amx_tiles.h)
   std::vector<at::BFloat16> xpad;
   const at::BFloat16* xb = pad_rows(x, M, K, xpad);
@@ -129,8 +132,26 @@ void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
 }
 #endif
 
+// The bf16 kernels of this target into y (bf16 or float32); false where there are none.
+template <typename Y>
+bool pairs_bf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, Y* y, int64_t M,
+                int64_t N, int64_t K) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if (aotllm::amx_ready()) {
+    pairs_amx(x, w, bias, y, M, N, K);
+    return true;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  pairs_dpbf16(x, w, bias, y, M, N, K);
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& b) {
+                        const std::optional<at::Tensor>& b, bool float_out) {
   const int64_t K = x.size(-1), N = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && N % kCols == 0 && K % 32 == 0,
               "linear_pairs: w must be a contiguous [N, ", K, "] weight in pair panels "
@@ -140,27 +161,24 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xc = x.reshape({M, K}).contiguous();
   const at::Tensor bf = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options());
+  float_out = float_out && x.scalar_type() != at::kFloat;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xd = xc.data_ptr<at::BFloat16>();
     const auto* wd = w.data_ptr<at::BFloat16>();
-    auto* yd = y.data_ptr<at::BFloat16>();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (aotllm::amx_ready()) {
-      pairs_amx(xd, wd, bp, yd, M, N, K);
+    if (float_out ? pairs_bf16(xd, wd, bp, y.data_ptr<float>(), M, N, K)
+                  : pairs_bf16(xd, wd, bp, y.data_ptr<at::BFloat16>(), M, N, K))
       return y.view(shape);
-    }
-#endif
-#if defined(__AVX512BF16__)
-    pairs_dpbf16(xd, wd, bp, yd, M, N, K);
-    return y.view(shape);
-#endif
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_pairs", [&] {
-    pairs_generic(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), bp, y.data_ptr<scalar_t>(),
-                  M, N, K);
+    if (float_out)
+      pairs_generic(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), bp, y.data_ptr<float>(), M,
+                    N, K);
+    else
+      pairs_generic(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), bp, y.data_ptr<scalar_t>(),
+                    M, N, K);
   });
   return y.view(shape);
 }
@@ -168,7 +186,7 @@ at::Tensor linear_pairs(const at::Tensor& x, const at::Tensor& w,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
-  m.def("linear_pairs(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("linear_pairs(Tensor x, Tensor w, Tensor? b, bool float_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_pairs", &linear_pairs); }

@@ -18,7 +18,8 @@
 // (runtime/models/panels.py pack_panels writes it, at build time).
 //
 // x [..., K] (bf16, fp16 or float32), w [N, K] in panels (the same dtype), b [N] or none
-// -> [..., N] in x's dtype; float32 accumulation.
+// -> [..., N] in x's dtype, or float32 with `float_out` (the LM head's logits); float32
+// accumulation.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,23 +37,23 @@ using namespace aotllm;  // NOLINT: the micro-kernel (panel_kernel.h)
 
 // A panel of nr columns the vector kernel does not take (a short last panel, or any panel
 // on a target without AVX2): plain loops over the same layout.
-template <typename W>
-void panel_scalar(const float* x, int64_t M, int64_t K, const W* p, int64_t nr, W* y,
+template <typename W, typename Y>
+void panel_scalar(const float* x, int64_t M, int64_t K, const W* p, int64_t nr, Y* y,
                   int64_t N, int64_t n0, const float* bias) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t j = 0; j < nr; ++j) {
       float acc = 0.f;
       for (int64_t k = 0; k < K; ++k) acc += x[m * K + k] * to_float(p[k * nr + j]);
-      y[m * N + n0 + j] = static_cast<W>(acc + (bias ? bias[n0 + j] : 0.f));
+      y[m * N + n0 + j] = static_cast<Y>(acc + (bias ? bias[n0 + j] : 0.f));
     }
   }
 }
 
-// y [M, N] in the weights' (and inputs') dtype, rounded once from the float32 sums: written
-// here rather than by a cast of a float32 result afterwards (one copy less per linear).
-template <typename W>
+// y [M, N] in the weights' (and inputs') dtype or float32 (Y), rounded once from the float32
+// sums: written here rather than by a cast of a float32 result afterwards (one copy less).
+template <typename W, typename Y>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, const float* bias,
-                W* y) {
+                Y* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // Rows split evenly into passes of at most kRows (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
@@ -68,10 +69,10 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
           const int64_t mr = std::min(rows, M - m);
           panel_block(mr, x + m * K, K, K, panel, blk);
           for (int64_t r = 0; r < mr; ++r) {
-            W* yr = y + (m + r) * N + n0;
+            Y* yr = y + (m + r) * N + n0;
             for (int64_t i = 0; i < kPanel; ++i) {
               const float add = bias ? bias[n0 + order[i]] : 0.f;
-              yr[order[i]] = static_cast<W>(blk[r * kPanel + i] + add);
+              yr[order[i]] = static_cast<Y>(blk[r * kPanel + i] + add);
             }
           }
         }
@@ -83,8 +84,15 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
   });
 }
 
+template <typename W>
+void panel_gemm_to(const float* x, int64_t M, int64_t K, int64_t N, const W* w,
+                   const float* bias, at::Tensor& y) {
+  if (y.scalar_type() == at::kFloat) panel_gemm(x, M, K, N, w, bias, y.data_ptr<float>());
+  else panel_gemm(x, M, K, N, w, bias, y.data_ptr<W>());
+}
+
 at::Tensor linear_panel(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& b) {
+                        const std::optional<at::Tensor>& b, bool float_out) {
   const int64_t K = x.size(-1), N = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
               "linear_panel: w must be a contiguous [N, ", K, "] panel-packed weight");
@@ -93,14 +101,13 @@ at::Tensor linear_panel(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const at::Tensor bf = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
   switch (w.scalar_type()) {
     case at::kBFloat16:
-      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::BFloat16>(), bp,
-                 y.data_ptr<at::BFloat16>());
+      panel_gemm_to(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::BFloat16>(), bp, y);
       break;
     case at::kHalf:
-      panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>());
+      panel_gemm_to(xf.data_ptr<float>(), M, K, N, w.data_ptr<at::Half>(), bp, y);
       break;
     case at::kFloat:
       panel_gemm(xf.data_ptr<float>(), M, K, N, w.data_ptr<float>(), bp, y.data_ptr<float>());
@@ -116,7 +123,7 @@ at::Tensor linear_panel(const at::Tensor& x, const at::Tensor& w,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
-  m.def("linear_panel(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("linear_panel(Tensor x, Tensor w, Tensor? b, bool float_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_panel", &linear_panel); }

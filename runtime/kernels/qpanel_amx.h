@@ -19,9 +19,10 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace aotllm {
 
-// x [M, K] bf16 -> y [M, N] bf16; amx_ready() and w's layout as qpanels_fit.
-inline void gemm_qpanels_amx(const QWeight& w, const at::BFloat16* x, const float* bias,
-                             at::BFloat16* y, int64_t M) {
+// x [M, K] bf16 -> y [M, N] bf16 or float32 (Y); amx_ready() and w's layout as qpanels_fit.
+template <typename Y>
+void gemm_qpanels_amx(const QWeight& w, const at::BFloat16* x, const float* bias, Y* y,
+                      int64_t M) {
   const int64_t K = w.K, runs = K / kRun, Mp = (M + 15) / 16 * 16;
   thread_local std::vector<at::BFloat16> xpad;
   const at::BFloat16* xb = pad_rows(x, M, K, xpad);
@@ -38,7 +39,7 @@ inline void gemm_qpanels_amx(const QWeight& w, const at::BFloat16* x, const floa
         for (int64_t m = m0; m < std::min(M, m0 + 64); ++m)
           for (int64_t j = 0; j < kVCols; ++j) {
             const int64_t n = p * kVCols + j;
-            y[m * w.N + n] = static_cast<at::BFloat16>(c[(m - m0) * kVCols + j] + (bias ? bias[n] : 0.f));
+            y[m * w.N + n] = static_cast<Y>(c[(m - m0) * kVCols + j] + (bias ? bias[n] : 0.f));
           }
       }
     }

@@ -159,9 +159,10 @@ inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const uint8_t* w
   }
 }
 
-// x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32 sums.
-template <bool kInt4, bool kSym, typename X>
-void gemm_qpanels(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+// x [M, K] bf16 or fp16 -> y [M, N] in x's dtype (or float32: Y), rounded once from the
+// float32 sums.
+template <bool kInt4, bool kSym, typename X, typename Y>
+void gemm_qpanels(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
   thread_local std::vector<int16_t> xq;  // scratch kept between calls
   thread_local std::vector<float> xs, xsum;
@@ -194,15 +195,15 @@ void gemm_qpanels(const QWeight& w, const X* x, const float* bias, X* y, int64_t
         for (int64_t m = 0; m < mr; ++m)
           for (int64_t j = 0; j < kCols; ++j) {
             const int64_t n = p * kCols + j;
-            y[(m0 + m) * w.N + n] = static_cast<X>(out[m * kCols + j] + (bias ? bias[n] : 0.f));
+            y[(m0 + m) * w.N + n] = static_cast<Y>(out[m * kCols + j] + (bias ? bias[n] : 0.f));
           }
       }
     }
   });
 }
 
-template <typename X>
-void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+template <typename X, typename Y>
+void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   if (!w.int4) return gemm_qpanels<false, false>(w, x, bias, y, M);
   if (w.mins) return gemm_qpanels<true, false>(w, x, bias, y, M);
   return gemm_qpanels<true, true>(w, x, bias, y, M);
@@ -211,20 +212,20 @@ void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, X* y, int
 
 // The integer passes of this target: AVX-512's (qpanel_vnni.h) or AVX2's (above).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-template <typename X>
-void gemm_integer(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+template <typename X, typename Y>
+void gemm_integer(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   gemm_qpanels_512(w, x, bias, y, M);
 }
 #elif defined(__AVX2__)
-template <typename X>
-void gemm_integer(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+template <typename X, typename Y>
+void gemm_integer(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   gemm_qpanels_any(w, x, bias, y, M);
 }
 #endif
 
 at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins,
-                         const std::optional<at::Tensor>& b, int64_t group) {
+                         const std::optional<at::Tensor>& b, int64_t group, bool float_out) {
   const bool int4 = q.scalar_type() == at::kByte;
   TORCH_CHECK(int4 || q.scalar_type() == at::kChar, "qweight must be int8 or uint8 (int4)");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && scales.is_contiguous() &&
@@ -245,6 +246,8 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
+  // `float_out`: y in float32 (the LM head's logits), rounded from the same float32 sums.
+  const auto y_options = x.options().dtype(float_out ? at::kFloat : dt);
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(__AVX2__)
   if (dt == at::kBFloat16 || dt == at::kHalf) {
     const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
@@ -252,20 +255,27 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
     const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (M >= (int4 ? kAmxMinRows4 : kAmxMinRows8) && dt == at::kBFloat16 && amx_ready()) {
-      at::Tensor y = at::empty(out_shape, x.options());
-      gemm_qpanels_amx(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
+      at::Tensor y = at::empty(out_shape, y_options);
+      if (float_out) gemm_qpanels_amx(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M);
+      else gemm_qpanels_amx(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
       return y;
     }
 #endif
 #if defined(__AVX512BF16__)
-    if (M > kVnniMaxRows && dt == at::kBFloat16) {  // prompts: dequantize once, oneDNN's GEMM
+    // Prompts: dequantize once, oneDNN's GEMM (bf16 out only; float32 logits rows of a
+    // prompt take the integer passes below).
+    if (M > kVnniMaxRows && dt == at::kBFloat16 && !float_out) {
       at::Tensor wt = at::empty({K, N}, x.options());
       dequant_qpanels_kn(w, wt.data_ptr<at::BFloat16>());
       return at::linear(xc, wt.t(), b);
     }
 #endif
-    at::Tensor y = at::empty(out_shape, x.options());
-    if (dt == at::kBFloat16)
+    at::Tensor y = at::empty(out_shape, y_options);
+    if (float_out && dt == at::kBFloat16)
+      gemm_integer(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M);
+    else if (float_out)
+      gemm_integer(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<float>(), M);
+    else if (dt == at::kBFloat16)
       gemm_integer(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
     else
       gemm_integer(w, xc.data_ptr<at::Half>(), bp, y.data_ptr<at::Half>(), M);
@@ -279,14 +289,15 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
       for (int64_t k = 0; k < K; ++k) wd[n * K + k] = value_at(w, n, k);
   });
   const auto bf = b.has_value() ? std::optional<at::Tensor>(b->to(at::kFloat)) : std::nullopt;
-  return at::linear(x.to(at::kFloat), wf, bf).to(dt);
+  const at::Tensor y = at::linear(x.to(at::kFloat), wf, bf);
+  return float_out ? y : y.to(dt);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
   m.def("linear_qpanel(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? b, "
-        "int group_size) -> Tensor");
+        "int group_size, bool float_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_qpanel", &linear_qpanel); }

@@ -254,8 +254,8 @@ inline void pass_int4_any(int64_t mr, const QWeight& w, int64_t p, const uint8_t
 }
 
 // x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32 sums.
-template <typename X>
-void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, X* y, int64_t M) {
+template <typename X, typename Y>
+void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
   thread_local std::vector<int16_t> xq;  // scratch kept between calls
   thread_local std::vector<float> xs, fsum;
@@ -296,7 +296,7 @@ void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, X* y, int
         for (int64_t m = 0; m < mr; ++m)
           for (int64_t j = 0; j < kVCols; ++j) {
             const int64_t n = p * kVCols + j;
-            y[(m0 + m) * w.N + n] = static_cast<X>(out[m * kVCols + j] + (bias ? bias[n] : 0.f));
+            y[(m0 + m) * w.N + n] = static_cast<Y>(out[m * kVCols + j] + (bias ? bias[n] : 0.f));
           }
       }
     }

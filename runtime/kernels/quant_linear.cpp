@@ -21,7 +21,8 @@
 // into the outer-product kernel of linear_panel (quant_panel.h).
 //
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
-// float32, cast to the model dtype, then F.linear.
+// float32, cast to the model dtype, then F.linear. With `float_out` (the LM head's logits)
+// the result stays in float32: the same sums, not rounded to the model dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -255,10 +256,11 @@ QWeight check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& b,
-                   int64_t group, bool int4) {
+                   int64_t group, bool int4, bool float_out) {
   const QWeight w = check(x, q, scales, mins, group, int4);
   const int64_t M = x.numel() / std::max<int64_t>(w.K, 1);
   const auto dt = x.scalar_type();
+  const auto out_dt = float_out ? at::kFloat : dt;
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat || dt == at::kHalf,
               "inputs must be bfloat16, float16 or float32");
   auto out_shape = x.sizes().vec();
@@ -266,7 +268,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  if (dt != at::kFloat && int16_fits(w, M)) {  // 16-bit inputs, decode rows: integer dots
+  if (dt != at::kFloat && !float_out && int16_fits(w, M)) {  // 16-bit inputs: integer dots
     // Raw pointers of x and of y made in its final shape: a decode step makes ~150 of these
     // calls, and a reshape and a view each would be two more dispatcher round trips.
     const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
@@ -288,12 +290,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   if (M > kFewRows && panel_fits(w)) {  // batches: panels dequantized once per call
     const at::Tensor xf = xc.to(at::kFloat).contiguous();
     gemm_quant_panels(w, xf.data_ptr<float>(), M, bp, y.data_ptr<float>());
-    return y.to(dt).view(out_shape);
+    return y.to(out_dt).view(out_shape);
   }
   if (M <= kFewRows) {
     const at::Tensor xf = xc.to(at::kFloat).contiguous();
     gemv_avx2(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
-    return y.to(dt).view(out_shape);
+    return y.to(out_dt).view(out_shape);
   }
 #endif
 #if !defined(__AVX512BF16__)
@@ -304,13 +306,16 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 #endif
   if (take_tiled) {
     tiled(w, xc, bp, y.data_ptr<float>(), M);
-    return y.to(dt).view(out_shape);
+    return y.to(out_dt).view(out_shape);
   }
 #endif
   if (M > kMaxRows) {
     at::Tensor wd = at::empty({w.N, w.K}, x.options().dtype(dt == at::kBFloat16 ? dt : at::kFloat));
     dequant_into(w, wd);
-    return at::linear(x, wd.to(dt), b);
+    if (!float_out) return at::linear(x, wd.to(dt), b);
+    // float32 logits rows of a prompt: the weights as the model dtype rounds them, float32 sums
+    const auto bf = b.has_value() ? std::optional<at::Tensor>(b->to(at::kFloat)) : std::nullopt;
+    return at::linear(x.to(at::kFloat), wd.to(dt).to(at::kFloat), bf);
   }
   if (dt == at::kBFloat16) {
     gemv_bf16(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<float>(), M);
@@ -318,18 +323,18 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
     auto xf = xc.to(at::kFloat).contiguous();
     gemv_f32(w, xf.data_ptr<float>(), bp, y.data_ptr<float>(), M);
   }
-  return y.to(dt).view(out_shape);
+  return y.to(out_dt).view(out_shape);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& b, int64_t group) {
-  return qlinear(x, q, scales, std::nullopt, b, group, false);
+                       const std::optional<at::Tensor>& b, int64_t group, bool float_out) {
+  return qlinear(x, q, scales, std::nullopt, b, group, false, float_out);
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& b,
-                       int64_t group) {
-  return qlinear(x, q, scales, mins, b, group, true);
+                       int64_t group, bool float_out) {
+  return qlinear(x, q, scales, mins, b, group, true, float_out);
 }
 
 at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scales,
@@ -352,9 +357,10 @@ at::Tensor dequantize_op(const at::Tensor& q, const at::Tensor& scales,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
-  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? b, int group_size) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? b, int group_size, "
+        "bool float_out=False) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? b, "
-        "int group_size) -> Tensor");
+        "int group_size, bool float_out=False) -> Tensor");
   m.def("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int k, int group_size, int bits, "
         "ScalarType dtype) -> Tensor");
 }

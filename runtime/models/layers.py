@@ -45,38 +45,46 @@ class _Weight(nn.Module):
         self.mins = _empty(out, quant.groups(inp), dtype=torch.float16) if quant.zero_point else None
         self.group = quant.group_of(inp)
 
-    def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, b: torch.Tensor | None, tp: TPContext,
+                float_out: bool = False) -> torch.Tensor:
         if self.quant is None:
-            return linear(x, self.weight, b, tp, self.panels, self.pairs)
+            return linear(x, self.weight, b, tp, self.panels, self.pairs, float_out)
         if self.qpanels:
             return torch.ops.aotllm.linear_qpanel(x, self.qweight, self.scales, self.mins, b,
-                                                  self.group)
-        return qlinear(x, self.qweight, self.scales, self.mins, b, self.group, tp)
+                                                  self.group, float_out)
+        return qlinear(x, self.qweight, self.scales, self.mins, b, self.group, tp, float_out)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tp: TPContext,
-           panels: bool = False, pairs: bool = False) -> torch.Tensor:
+           panels: bool = False, pairs: bool = False, float_out: bool = False) -> torch.Tensor:
     """x W^T + b: our weight-streaming kernel for the few rows of a decode step when the
     engine has our kernels (it passes larger batches to at::linear itself), or our panel
-    or pair-panel kernel when the build stored W so (only engines with our kernels do)."""
+    or pair-panel kernel when the build stored W so (only engines with our kernels do).
+    `float_out`: the result in float32, summed in float32 and never rounded to x's dtype
+    (the LM head's logits: a bf16 rounding ties tokens a bf16 step apart)."""
     if panels:
-        return torch.ops.aotllm.linear_panel(x, w, b)
+        return torch.ops.aotllm.linear_panel(x, w, b, float_out)
     if pairs:
-        return torch.ops.aotllm.linear_pairs(x, w, b)
+        return torch.ops.aotllm.linear_pairs(x, w, b, float_out)
     if tp.use_kernels:
-        return torch.ops.aotllm.linear(x, w, b)
+        return torch.ops.aotllm.linear(x, w, b, float_out)
+    if float_out and x.dtype != torch.float32:  # the reference: bf16 values, float32 products
+        return F.linear(x.float(), w.float(), None if b is None else b.float())
     return F.linear(x, w, b)
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-            b: torch.Tensor | None, group: int, tp: TPContext) -> torch.Tensor:
+            b: torch.Tensor | None, group: int, tp: TPContext,
+            float_out: bool = False) -> torch.Tensor:
     """x W^T + b with W quantized: our kernels (runtime/kernels/quant_linear.cpp), or the
-    reference the eager engines run: W dequantized in float32, cast to x's dtype, F.linear."""
+    reference the eager engines run: W dequantized in float32, cast to x's dtype, F.linear
+    (`float_out`: as `linear`)."""
     if tp.use_kernels:
         if qweight.dtype == torch.int8:
-            return torch.ops.aotllm.linear_int8(x, qweight, scales, b, group)
-        return torch.ops.aotllm.linear_int4(x, qweight, scales, mins, b, group)
-    return F.linear(x, dequantize_packed(qweight, scales, mins, group, x.dtype), b)
+            return torch.ops.aotllm.linear_int8(x, qweight, scales, b, group, float_out)
+        return torch.ops.aotllm.linear_int4(x, qweight, scales, mins, b, group, float_out)
+    w = dequantize_packed(qweight, scales, mins, group, x.dtype)
+    return linear(x, w, b, tp, float_out=float_out)
 
 
 class ColumnParallelLinear(_Weight):
@@ -173,8 +181,10 @@ class ParallelLMHead(_Weight):
         self._init_weight(vocab_local, hidden, dtype, quant, panels)
         self.tp = tp
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab]
-        return self.tp.all_gather_last_dim(self._linear(h, None, self.tp))
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h [L, hidden] -> [L, vocab] float32
+        # float32 logits, gathered as float32 (TensorRT-LLM's default `logits_dtype`): in
+        # bf16 SmolLM2's "The" and "L" tie on the demo question and the tie went to "L".
+        return self.tp.all_gather_last_dim(self._linear(h, None, self.tp, float_out=True))
 
 
 class RMSNorm(nn.Module):

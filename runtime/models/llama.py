@@ -179,4 +179,4 @@ class LlamaForCausalLM(nn.Module):
             )
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         h = self.norm(residual[logits_index])  # [L, hidden]
-        return self.lm_head(h).float()
+        return self.lm_head(h)  # float32

@@ -20,7 +20,8 @@ def test_demo_builds_serves_and_answers(tmp_path_factory: pytest.TempPathFactory
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     answer = next(line for line in out.splitlines() if line.startswith("A: "))
-    assert "Paris" in answer, answer
+    # the whole greedy answer: its first token is a near tie that bf16 logits flipped on AVX2
+    assert answer.startswith("A: The capital of France is Paris."), answer
     for gate in ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
                  "kernels", "warmup", "admission"):
         assert any(line.startswith(gate) for line in out.splitlines()), gate

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from contract.layout import FLOAT_PAIR_LAYOUTS, weight_layout_for
+from contract.layout import FLOAT_PAIR_LAYOUTS, FLOAT_PANEL_LAYOUTS, weight_layout_for
 from contract.manifest import read_manifest
 from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.host import host_cpu_target
-from runtime.models.panels import unpack_pairs
+from runtime.models.panels import unpack_pairs, unpack_panels
 from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
@@ -67,23 +67,26 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
 
 def test_aoti_bf16_tp2_engine_matches_eager(tiny_tp2_engines: dict[str, Path], tmp_path: Path) -> None:
     """bf16: on an AMX host the build stores the linears and the LM head in pair panels
-    (aotllm::linear_pairs multiplies them as AMX tiles), elsewhere in panels or rows; the
-    compiled engine then differs from the eager one (rows, F.linear) by bf16 roundings only."""
+    (aotllm::linear_pairs multiplies them as AMX tiles), on AVX2/AVX-512F in panels, on
+    AVX512-BF16 in rows; the compiled engine then differs from the eager one (rows, F.linear)
+    by bf16 roundings only, and both return float32 logits."""
     want = weight_layout_for("aoti", "cpu", host_cpu_target().isa, dtype="bfloat16")
-    pairs = want in FLOAT_PAIR_LAYOUTS
+    # the tiny models' shapes fit whole panels and pair runs: every float linear and the LM
+    # head are packed where the layout packs them (AVX2/AVX-512F: panels; AMX: pairs)
+    unpack = (unpack_pairs if want in FLOAT_PAIR_LAYOUTS
+              else unpack_panels if want in FLOAT_PANEL_LAYOUTS else lambda w: w)
     e = tiny_tp2_engines
     assert read_manifest(e["aoti-bf16"]).weight_layout == want
     ours, rows = (load_file(str(x / "rank1.safetensors")) for x in (e["aoti-bf16"], e["eager-bf16"]))
     for name in ("layers.0.mlp.down_proj.weight", "lm_head.weight"):
-        assert torch.equal(ours[name], rows[name]) == (not pairs), name
-        assert torch.equal(unpack_pairs(ours[name]) if pairs else ours[name], rows[name]), name
+        assert torch.equal(ours[name], rows[name]) == (want == "rows"), name
+        assert torch.equal(unpack(ours[name]), rows[name]), name
     assert torch.equal(ours["embed_tokens.weight"], rows["embed_tokens.weight"])  # untied: rows
     # tied: the embedding is the head's one tensor, in its layout; the lookup reads it so
     ours, rows = (load_file(str(x / "rank1.safetensors"))
                   for x in (e["aoti-bf16-tied"], e["eager-bf16-tied"]))
     assert "lm_head.weight" not in ours
-    assert torch.equal(unpack_pairs(ours["embed_tokens.weight"]) if pairs else ours["embed_tokens.weight"],
-                       rows["embed_tokens.weight"])
+    assert torch.equal(unpack(ours["embed_tokens.weight"]), rows["embed_tokens.weight"])
     for kind in ("bf16", "bf16-tied"):
         aoti, eager = e[f"aoti-{kind}"], e[f"eager-{kind}"]
         out = tmp_path / f"logits-{kind}.json"
