@@ -28,9 +28,15 @@ from runtime.runner import ModelRunner
 GOLDEN_PROMPT = "The capital of France is"
 GOLDEN_STEPS = 8
 TOP_K = 5
-# Relative to the largest recorded |logit|: noise across runs is far below these; a wrong
-# or corrupted shard moves logits by a large fraction of their range.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 6e-2, "float16": 3e-2}
+# Relative to the largest recorded |logit|: a wrong or corrupted shard moves logits by a large
+# fraction of their range; the legitimate noise between the build's run (a prefill, then one
+# decode step a token) and the warmup gate's (one prefill of the forced tokens, then a decode
+# batch; 1 or 2 threads) is measured. bf16, SmolLM2-135M (float32 logits, scale 34): worst
+# 0.142 on AVX512-BF16 (oneDNN's prefill against vdpbf16ps decode rows: 0.42 %), 0.000 on
+# AVX2 (the panel kernel's rows do not depend on the batch); the tolerance is 3.6x that
+# worst. Before float32 logits it was 6e-2 (2.05 logits): wider than most near ties.
+# float16 (3e-2) and float32 (1e-3) were not re-measured.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 1.5e-2, "float16": 3e-2}
 
 
 def golden_tolerance(dtype: str, scheme: str = "none") -> float:
@@ -161,21 +167,29 @@ def run_golden_forced(
 
 def check_golden(record: dict[str, Any], observed: list[list[tuple[int, float]]], dtype: str,
                  scheme: str = "none") -> tuple[bool, str]:
-    """Compare teacher-forced logits at the recorded top ids; (ok, evidence)."""
+    """Compare teacher-forced logits at the recorded top ids; (ok, evidence).
+
+    Two checks: every recorded top logit within the tolerance, and no greedy choice flipped
+    whose recorded lead over the runner-up exceeds the tolerance (a near tie, closer than
+    the noise, may go either way; a clear lead may not)."""
     scale = max(1.0, *(abs(v) for step in record["top_logits"] for _, v in step))
     tol = golden_tolerance(dtype, scheme) * scale
     worst = 0.0
-    for want, got in zip(record["top_logits"], observed):
+    flips = []
+    for i, (want, got) in enumerate(zip(record["top_logits"], observed)):
         got_map = dict(got)
         got = got[:TOP_K]
         for tok, v in want:
             # A recorded top id that fell out of our top-k is a mismatch of at least the gap.
             diff = abs(got_map[tok] - v) if tok in got_map else abs(got[-1][1] - v) + tol
             worst = max(worst, diff)
-    ok = worst <= tol
+        if len(want) > 1 and want[0][1] - want[1][1] > tol and got[0][0] != want[0][0]:
+            flips.append(i)
+    ok = worst <= tol and not flips
     what = "" if scheme == "none" else f", {scheme}"
+    flipped = f"; greedy token flipped at steps {flips}" if flips else ""
     return ok, (f"max logit deviation {worst:.3g} over {len(observed)} steps (tolerance {tol:.3g}"
-                f"{what})")
+                f"{what}){flipped}")
 
 
 def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
