@@ -78,16 +78,24 @@ def make_build_config(profile: BuildProfile, timing_cache: Path | None = None,
         "multiple_profiles": True,  # costs build time only
         "tokens_per_block": profile.tokens_per_block,
     }
-    plugins = PluginConfig(
-        gemm_plugin=wanted["gemm_plugin"],
-        use_paged_context_fmha=wanted["use_paged_context_fmha"],
-        multiple_profiles=wanted["multiple_profiles"],
-        tokens_per_block=wanted["tokens_per_block"],
-    )
-    # PluginConfig ignores keys it does not know: read back what we set.
-    lost = {k: v for k, v in wanted.items() if getattr(plugins, k, None) != v}
+    try:
+        plugins = PluginConfig(
+            gemm_plugin=wanted["gemm_plugin"],
+            use_paged_context_fmha=wanted["use_paged_context_fmha"],
+            multiple_profiles=wanted["multiple_profiles"],
+            tokens_per_block=wanted["tokens_per_block"],
+        )
+    except TypeError as e:  # releases whose PluginConfig is a dataclass of init=False fields
+        raise BuildError(f"this TensorRT-LLM's PluginConfig does not take {sorted(wanted)} "
+                         f"({e})", "install TensorRT-LLM 1.2.x") from None
+    # PluginConfig ignores keys it does not know: read back what we set. A field set to
+    # "auto" reads back as the config's dtype (plugin.py: `if name != "dtype" and value ==
+    # "auto": return self.dtype`), so "auto" is taken as set when it reads either way.
+    resolved = getattr(plugins, "dtype", None)
+    lost = sorted(k for k, v in wanted.items()
+                  if getattr(plugins, k, None) not in ((v, resolved) if v == "auto" else (v,)))
     if lost:
-        raise BuildError(f"this TensorRT-LLM's PluginConfig did not take {sorted(lost)}",
+        raise BuildError(f"this TensorRT-LLM's PluginConfig did not take {lost}",
                          "check the installed TensorRT-LLM is 1.2.x")
     cache = None if timing_cache is None else str(timing_cache)
     # opt_num_tokens stays unset: with multiple_profiles it raises RuntimeError.

@@ -180,3 +180,19 @@ def test_trtllm_extra_lets_tensorrt_llm_choose_its_tensorrt() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["trtllm"]
     assert extras == ["tensorrt_llm==1.2.*"]
+
+
+def test_plugin_config_auto_reads_back_as_the_dtype_and_the_build_takes_it(
+        trtllm_fake: ModuleType, tmp_path: Path) -> None:
+    """The real PluginConfig returns its dtype for a field set to "auto" (plugin.py); reading
+    back gemm_plugin="auto" as a mismatch stopped every non-fp8 build."""
+    from tensorrt_llm.plugin import PluginConfig
+
+    from pipeline.compile.trtllm import make_build_config
+
+    pc = PluginConfig(gemm_plugin="auto", dtype="bfloat16")
+    assert pc.gemm_plugin == "bfloat16" and pc.model_dump()["gemm_plugin"] == "auto"
+    bc = make_build_config(BuildProfile(max_batch_size=4, max_num_tokens=128, max_seq_len=256),
+                           tmp_path / "timing.cache")
+    assert bc.plugin_config.model_dump()["gemm_plugin"] == "auto"
+    assert bc.plugin_config.multiple_profiles and bc.plugin_config.tokens_per_block == 16
