@@ -19,7 +19,7 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], pad_id: int) -> Any:
     """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
 
-    Mapped: penalties, min_tokens and seed (SamplingConfig), the chosen token's
+    Mapped: repetition_penalty, min_tokens and seed (SamplingConfig), the chosen token's
     log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
     (a 400 naming the field): what the Executor cannot do as this adapter drives it
     (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
@@ -46,9 +46,9 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         top_p=None if greedy else float(params.top_p),
         temperature=None if greedy else float(params.temperature), seed=seed,
         min_tokens=params.min_tokens or None,
+        # One to one: TensorRT-LLM's set (prompt and output tokens) is ours, and a division
+        # commutes with the temperature it applies first. presence/frequency: refused above.
         repetition_penalty=_unless(params.repetition_penalty, 1.0),
-        presence_penalty=_unless(params.presence_penalty, 0.0),
-        frequency_penalty=_unless(params.frequency_penalty, 0.0),
     )
     return tx.Request(
         [int(t) for t in prompt], int(params.max_tokens),
@@ -66,8 +66,21 @@ def _unless(value: float, neutral: float) -> float | None:
     return None if value == neutral else float(value)
 
 
+# TensorRT-LLM's penalty kernel (penaltyKernels.cu, batchApplyPenalty) counts the prompt's
+# tokens too (the context phase fills its penalty workspace with them) and subtracts after
+# dividing by the temperature; ours (OpenAI's definition, runtime/logits.py) count only the
+# output and subtract before it. The temperature could be folded in (penalty / T), the prompt
+# cannot: a prompt token would be penalized before the request has output it.
+_PROMPT_COUNTED = ("frequency_penalty * count and presence_penalty are subtracted for tokens "
+                   "of the output only; TensorRT-LLM counts the prompt's tokens too, so")
+
+
 def refuse_unmapped(params: SamplingParams) -> None:
     refuse = [
+        ("presence_penalty", params.presence_penalty != 0.0,
+         f"{_PROMPT_COUNTED} presence_penalty is"),
+        ("frequency_penalty", params.frequency_penalty != 0.0,
+         f"{_PROMPT_COUNTED} frequency_penalty is"),
         ("logprobs", bool(params.logprobs), "top alternatives per token (only the chosen "
          "token's log-probability) are"),
         ("prompt_logprobs", params.prompt_logprobs is not None,
