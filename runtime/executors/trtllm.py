@@ -191,13 +191,13 @@ class TrtllmExecutor:
             return
         reasons = result.finish_reasons
         name = getattr(reasons[0], "name", str(reasons[0])) if reasons else "NOT_FINISHED"
-        if live.rest is not None:
-            if name == "LENGTH" and len(live.output) == live.rest.min_tokens:
-                if tokens:
-                    live.on_event(TokenEvent(live.request_id, tokens, None,
-                                             live.num_prompt_tokens, logprobs=logprobs))
-                self._continue(live)
-                return
+        if (live.rest is not None and name == "LENGTH"
+                and len(live.output) == live.rest.min_tokens):  # the first phase is done
+            if tokens:
+                live.on_event(TokenEvent(live.request_id, tokens, None,
+                                         live.num_prompt_tokens, logprobs=logprobs))
+            self._continue(live)
+            return
         finish = _FINISH.get(name, "error")
         error = None if finish != "error" else f"generation ended with {name}"
         if finish == "cancelled":
