@@ -17,6 +17,8 @@ It is removed before the engine's files are hashed.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,12 @@ from runtime.executors.trtllm_setup import import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
 
 TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before hashing
+# The golden run: a few greedy tokens after constructing the Executor (engine deserialization
+# and KV-cache allocation are most of it). A hang there (a rank that never joins, an MPI
+# launch that never starts) must not hang the build.
+GOLDEN_TIMEOUT_ENV = "AOTLLM_GOLDEN_TIMEOUT_S"
+GOLDEN_TIMEOUT_S = 900.0
+GOLDEN_KILL_GRACE_S = 10.0  # after SIGTERM (mpirun forwards it to its ranks), then SIGKILL
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
@@ -78,16 +86,24 @@ def make_build_config(profile: BuildProfile, timing_cache: Path | None = None,
         "multiple_profiles": True,  # costs build time only
         "tokens_per_block": profile.tokens_per_block,
     }
-    plugins = PluginConfig(
-        gemm_plugin=wanted["gemm_plugin"],
-        use_paged_context_fmha=wanted["use_paged_context_fmha"],
-        multiple_profiles=wanted["multiple_profiles"],
-        tokens_per_block=wanted["tokens_per_block"],
-    )
-    # PluginConfig ignores keys it does not know: read back what we set.
-    lost = {k: v for k, v in wanted.items() if getattr(plugins, k, None) != v}
+    try:
+        plugins = PluginConfig(
+            gemm_plugin=wanted["gemm_plugin"],
+            use_paged_context_fmha=wanted["use_paged_context_fmha"],
+            multiple_profiles=wanted["multiple_profiles"],
+            tokens_per_block=wanted["tokens_per_block"],
+        )
+    except TypeError as e:  # releases whose PluginConfig is a dataclass of init=False fields
+        raise BuildError(f"this TensorRT-LLM's PluginConfig does not take {sorted(wanted)} "
+                         f"({e})", "install TensorRT-LLM 1.2.x") from None
+    # PluginConfig ignores keys it does not know: read back what we set. A field set to
+    # "auto" reads back as the config's dtype (plugin.py: `if name != "dtype" and value ==
+    # "auto": return self.dtype`), so "auto" is taken as set when it reads either way.
+    resolved = getattr(plugins, "dtype", None)
+    lost = sorted(k for k, v in wanted.items()
+                  if getattr(plugins, k, None) not in ((v, resolved) if v == "auto" else (v,)))
     if lost:
-        raise BuildError(f"this TensorRT-LLM's PluginConfig did not take {sorted(lost)}",
+        raise BuildError(f"this TensorRT-LLM's PluginConfig did not take {lost}",
                          "check the installed TensorRT-LLM is 1.2.x")
     cache = None if timing_cache is None else str(timing_cache)
     # opt_num_tokens stays unset: with multiple_profiles it raises RuntimeError.
@@ -172,12 +188,19 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pipeline.compile.trtllm_golden", str(engine_dir), str(io)]
     if tp > 1:
         cmd = [*mpirun_argv(tp), *cmd]
+    timeout = golden_timeout_s()
     try:
         with mpi_session(child_env()) as env:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        tokens = json.loads(io.read_text()).get("tokens")
-        if proc.returncode != 0 or tokens is None:
-            tail = " ".join((proc.stderr or proc.stdout).strip().split())[-1500:]
+            out, err, rc = _run_bounded(cmd, env, timeout)
+        tokens = json.loads(io.read_text()).get("tokens") if rc is not None else None
+        if rc is None:
+            raise BuildError(f"the golden run of the built engine (stage golden, `{' '.join(cmd)}`)"
+                             f" did not finish within {timeout:.0f} s and was killed",
+                             f"rerun with --debug; check the GPU, the MPI launcher and the "
+                             f"TensorRT-LLM install (the limit is {GOLDEN_TIMEOUT_ENV})",
+                             exit_code=EXIT_FAILURE)
+        if rc != 0 or tokens is None:
+            tail = " ".join((err or out).strip().split())[-1500:]
             raise BuildError(f"the golden run of the built engine failed: {tail}",
                              "rerun with --debug; check the GPU and the TensorRT-LLM install",
                              exit_code=EXIT_FAILURE)
@@ -185,3 +208,37 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
         io.unlink(missing_ok=True)
     return {"kind": "tokens", "prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt,
             "tokens": tokens, "dtype": dtype}
+
+
+def golden_timeout_s() -> float:
+    """Seconds the golden run may take: AOTLLM_GOLDEN_TIMEOUT_S, else GOLDEN_TIMEOUT_S."""
+    raw = os.environ.get(GOLDEN_TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else GOLDEN_TIMEOUT_S
+    except ValueError:
+        raise BuildError(f"{GOLDEN_TIMEOUT_ENV}={raw!r} is not a number of seconds",
+                         f"set {GOLDEN_TIMEOUT_ENV} to e.g. 900") from None
+    return value
+
+
+def _run_bounded(cmd: list[str], env: dict[str, str],
+                 timeout_s: float) -> tuple[str, str, int | None]:
+    """(stdout, stderr, exit code), or exit code None when it ran past `timeout_s`. The child
+    leads a process group of its own, so mpirun and every rank it started are ended with it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return out, err, proc.returncode
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, GOLDEN_KILL_GRACE_S), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "", "", None

@@ -24,11 +24,16 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from runtime.executors.trtllm_request import chosen_logprobs, make_request
+from runtime.executors.trtllm_request import (
+    chosen_logprobs,
+    continuation,
+    make_request,
+    min_tokens_phases,
+)
 from runtime.executors.trtllm_setup import bindings
 from runtime.types import (
     EventCallback,
@@ -55,6 +60,12 @@ class _Live:
     num_prompt_tokens: int
     trt_id: int = -1
     emitted: int = 0
+    cancelled: bool = False
+    # min_tokens with stop ids besides end_id: the params to continue with once the first
+    # phase (the first min_tokens tokens) ends, its prompt, and the tokens it produced.
+    rest: SamplingParams | None = None
+    prompt: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
 
 
 class TrtllmExecutor:
@@ -84,8 +95,16 @@ class TrtllmExecutor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     on_event: EventCallback) -> None:
-        request = self.make_request(prompt_token_ids, params)
         live = _Live(request_id, on_event, len(prompt_token_ids))
+        phases = min_tokens_phases(params, self.eos_token_ids)
+        if phases is None:
+            request = self.make_request(prompt_token_ids, params)
+        else:
+            first, bad_words = phases
+            request = make_request(self._tx, prompt_token_ids, first, self.eos_token_ids,
+                                   self.pad_id, bad_words)
+            if params.max_tokens > first.max_tokens:
+                live.rest, live.prompt = params, list(prompt_token_ids)
         # Enqueue under the lock: a response can only be dispatched once its id is known.
         with self._lock:
             if self._closed or self.error is not None:
@@ -101,6 +120,9 @@ class TrtllmExecutor:
         with self._lock:
             trt_id = self._by_request.get(request_id)
             ex = self._ex
+            live = self._live.get(trt_id) if trt_id is not None else None
+            if live is not None:
+                live.cancelled = True  # a second phase is not started after this
         if trt_id is None or ex is None:
             return  # finished, or the Executor is shut down (shutdown ended it)
         # The final response (finish reason CANCELLED) ends the request in _dispatch; a
@@ -157,6 +179,8 @@ class TrtllmExecutor:
             with self._lock:
                 self._prompt_tokens += live.num_prompt_tokens
         live.emitted += len(tokens)
+        if live.rest is not None:  # a first phase: its tokens start the second one's prompt
+            live.output += tokens
         with self._lock:
             self._generation_tokens += len(tokens)
         logprobs = chosen_logprobs(result, tokens)
@@ -167,6 +191,13 @@ class TrtllmExecutor:
             return
         reasons = result.finish_reasons
         name = getattr(reasons[0], "name", str(reasons[0])) if reasons else "NOT_FINISHED"
+        if (live.rest is not None and name == "LENGTH"
+                and len(live.output) == live.rest.min_tokens):  # the first phase is done
+            if tokens:
+                live.on_event(TokenEvent(live.request_id, tokens, None,
+                                         live.num_prompt_tokens, logprobs=logprobs))
+            self._continue(live)
+            return
         finish = _FINISH.get(name, "error")
         error = None if finish != "error" else f"generation ended with {name}"
         if finish == "cancelled":
@@ -174,6 +205,31 @@ class TrtllmExecutor:
                      live.request_id, live.trt_id, live.emitted)
         self._end(live, TokenEvent(live.request_id, tokens, finish, live.num_prompt_tokens,
                                    error=error, logprobs=logprobs))
+
+    def _continue(self, live: _Live) -> None:
+        """The second phase of a min_tokens request: prompt + the first phase's tokens."""
+        assert live.rest is not None
+        params, live.rest = continuation(live.rest, len(live.output)), None
+        request = self.make_request(live.prompt + live.output, params)
+        why: str | None = None
+        with self._lock:
+            if self._closed or live.cancelled:
+                why = "cancelled"
+            else:
+                try:
+                    trt_id = self._ex.enqueue_request(request)
+                except Exception as e:
+                    why = f"TensorRT-LLM refused the request's continuation: {e}"
+                else:
+                    self._live.pop(live.trt_id, None)
+                    live.trt_id = trt_id
+                    self._live[trt_id] = live
+                    self._by_request[live.request_id] = trt_id
+        if why == "cancelled":
+            self._end(live, TokenEvent(live.request_id, [], "cancelled", live.num_prompt_tokens))
+        elif why is not None:
+            self._end(live, TokenEvent(live.request_id, [], "error", live.num_prompt_tokens,
+                                       error=why))
 
     def _end(self, live: _Live, event: TokenEvent) -> None:
         with self._lock:

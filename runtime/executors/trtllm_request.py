@@ -7,6 +7,7 @@ OutputConfig). `tx` is `tensorrt_llm.bindings.executor` (trtllm_setup.bindings()
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -15,11 +16,41 @@ from runtime.types import SamplingParams, TokenLogprob, UnsupportedParameter
 SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
 
 
+def other_stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """The stop ids that are not the Request's end_id. TensorRT-LLM's min_tokens masks end_id
+    alone (penaltyKernels.cu: `outLogitsPtr[endIds[batchSlot]] = MASK_VAL`), so these, sent as
+    stop words, could end a request before min_tokens (Llama 3's <|eot_id|>)."""
+    eos = () if params.ignore_eos else eos_token_ids
+    stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+    return [t for t in stops if not eos or t != eos[0]]
+
+
+def min_tokens_phases(params: SamplingParams,
+                      eos_token_ids: tuple[int, ...]) -> tuple[SamplingParams, list[list[int]]] | None:
+    """(first phase's params, its bad words) when min_tokens needs two Requests, else None.
+
+    Our min_tokens masks every stop id (runtime/logits.py). A Request's bad words hold for
+    all of it, so the first min_tokens tokens are a Request of their own with the other stop
+    ids as bad words; the rest continues from prompt + those tokens (`continuation`)."""
+    others = other_stop_ids(params, eos_token_ids)
+    if params.min_tokens == 0 or not others:
+        return None
+    return replace(params, max_tokens=params.min_tokens), [[t] for t in others]
+
+
+def continuation(params: SamplingParams, produced: int) -> SamplingParams:
+    """The second phase: what is left of max_tokens, no min_tokens, a seed of its own (derived,
+    so a seeded request stays reproducible)."""
+    seed = None if params.seed is None else (params.seed + produced) % 2**SEED_BITS
+    return replace(params, max_tokens=params.max_tokens - produced, min_tokens=0, seed=seed)
+
+
 def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], pad_id: int) -> Any:
+                 eos_token_ids: tuple[int, ...], pad_id: int,
+                 bad_words: list[list[int]] | None = None) -> Any:
     """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
 
-    Mapped: penalties, min_tokens and seed (SamplingConfig), the chosen token's
+    Mapped: repetition_penalty, min_tokens and seed (SamplingConfig), the chosen token's
     log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
     (a 400 naming the field): what the Executor cannot do as this adapter drives it
     (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
@@ -46,9 +77,9 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         top_p=None if greedy else float(params.top_p),
         temperature=None if greedy else float(params.temperature), seed=seed,
         min_tokens=params.min_tokens or None,
+        # One to one: TensorRT-LLM's set (prompt and output tokens) is ours, and a division
+        # commutes with the temperature it applies first. presence/frequency: refused above.
         repetition_penalty=_unless(params.repetition_penalty, 1.0),
-        presence_penalty=_unless(params.presence_penalty, 0.0),
-        frequency_penalty=_unless(params.frequency_penalty, 0.0),
     )
     return tx.Request(
         [int(t) for t in prompt], int(params.max_tokens),
@@ -59,6 +90,7 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         end_id=end_id,
         pad_id=pad_id,
         stop_words=stop_words or None,
+        bad_words=bad_words,
     )
 
 
@@ -66,8 +98,21 @@ def _unless(value: float, neutral: float) -> float | None:
     return None if value == neutral else float(value)
 
 
+# TensorRT-LLM's penalty kernel (penaltyKernels.cu, batchApplyPenalty) counts the prompt's
+# tokens too (the context phase fills its penalty workspace with them) and subtracts after
+# dividing by the temperature; ours (OpenAI's definition, runtime/logits.py) count only the
+# output and subtract before it. The temperature could be folded in (penalty / T), the prompt
+# cannot: a prompt token would be penalized before the request has output it.
+_PROMPT_COUNTED = ("frequency_penalty * count and presence_penalty are subtracted for tokens "
+                   "of the output only; TensorRT-LLM counts the prompt's tokens too, so")
+
+
 def refuse_unmapped(params: SamplingParams) -> None:
     refuse = [
+        ("presence_penalty", params.presence_penalty != 0.0,
+         f"{_PROMPT_COUNTED} presence_penalty is"),
+        ("frequency_penalty", params.frequency_penalty != 0.0,
+         f"{_PROMPT_COUNTED} frequency_penalty is"),
         ("logprobs", bool(params.logprobs), "top alternatives per token (only the chosen "
          "token's log-probability) are"),
         ("prompt_logprobs", params.prompt_logprobs is not None,

@@ -27,9 +27,9 @@ import gc
 import json
 import logging
 import os
+import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +79,6 @@ class TrtllmBackend(Backend):
         self.kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
         self.executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
         self.adapter: TrtllmExecutor | None = None  # rank 0 only
-        self._executor_ref: weakref.ref[Any] | None = None  # to tell that it was destroyed
         self._supervisor = os.getppid()
 
     # ---- 1 resolve ---------------------------------------------------------------------
@@ -221,10 +220,6 @@ class TrtllmBackend(Backend):
                 f"{m.toolchain.get('tensorrt_llm')}; if this host differs, rebuild it here: "
                 f"{rebuild_command(m)}") from None
         secs = time.perf_counter() - t0
-        try:
-            self._executor_ref = weakref.ref(self.executor)
-        except TypeError:  # a binding type without weak references: unchecked
-            self._executor_ref = None
         leader = bool(self.executor.can_enqueue_requests())
         ranks = self.comm.allgather({"rank": self.rank, "leader": leader,
                                      "seconds": round(secs, 3)})
@@ -343,9 +338,8 @@ class TrtllmBackend(Backend):
         self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
         # Cancels what is still queued or running and waits for it: the leader's
         # Executor.shutdown() blocks until no request is left.
-        if self.adapter.shutdown():
+        if self.adapter.shutdown():  # the Executor itself is dropped by release()
             log.info("Executor shut down (rank 0, the leader); the other ranks are released")
-            self.executor = None
         else:
             log.error("Executor.shutdown() did not return; the other ranks may wait for it")
         return left
@@ -357,27 +351,41 @@ class TrtllmBackend(Backend):
                          daemon=True).start()
         log.info("Executor constructed (not the leader); blocking in Executor.shutdown() until "
                  "rank 0 shuts down")
-        self.executor.shutdown()
-        self.executor = None
+        self.executor.shutdown()  # the Executor itself is dropped by release()
         log.info("Executor.shutdown() returned; exiting")
         return 0
 
     def release(self) -> bool:
         """Drop every reference to the Executor and collect, so that its destructor (which
         frees its MPI communicators) runs now, while MPI is up. False when an Executor is
-        still alive afterwards (something outside this backend holds it)."""
+        still alive afterwards (something outside this backend holds it).
+
+        The Executor is a nanobind class without weak references (`nb::class_<Executor>` in
+        cpp/tensorrt_llm/nanobind/executor/executor.cpp), so it is held here, and only here,
+        until this drops it: its reference count then says whether the drop destroys it."""
         if self.adapter is not None:
             self.adapter.shutdown(cancel_wait_s=0.0)  # done by close(): drops its reference
-        self.executor = None  # the last reference: the Executor is destroyed here
-        alive = self._executor_ref is not None and self._executor_ref() is not None
-        if alive:  # held by a reference cycle: collect it
+        ex, self.executor = self.executor, None
+        if ex is None:
+            return True
+        others = _other_references(ex)
+        if others:  # held by a reference cycle (a frame, a closure): collect it
             gc.collect()
-            alive = self._executor_ref() is not None
-        if alive:
-            log.error("the TensorRT-LLM Executor is still referenced before MPI_Finalize; its "
-                      "destructor would free MPI communicators after it")
-        return not alive
+            others = _other_references(ex)
+        if others:
+            log.error("the TensorRT-LLM Executor is still referenced (%d other reference(s)) "
+                      "before MPI_Finalize; its destructor would free MPI communicators after "
+                      "it", others)
+        del ex  # the last reference when others == 0: the Executor is destroyed here
+        return not others
 
     def finalize(self) -> None:
         self.release()
         finalize_mpi(self._supervisor)
+
+
+def _other_references(obj: object) -> int:
+    """References to `obj` beyond the caller's one local: its count less that of an object
+    held the same way (the baseline differs between Python versions)."""
+    probe = object()
+    return sys.getrefcount(obj) - sys.getrefcount(probe) - 1

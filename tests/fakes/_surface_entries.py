@@ -108,12 +108,14 @@ _BUILD = [
           note="str enum, case-insensitive lookup; read from the source, not in "
           "shared/reference"),
     Entry(f"{T}.plugin.plugin.PluginConfig", "class", ref="§1.2",
-          sig="*, gemm_plugin=None, gpt_attention_plugin='auto', nccl_plugin='auto', "
+          sig="*, dtype='float16', gemm_plugin=None, gpt_attention_plugin='auto', "
+          "nccl_plugin='auto', "
           "context_fmha=True, remove_input_padding=True, use_paged_context_fmha=True, "
           "multiple_profiles=False, tokens_per_block=32, reduce_fusion=False, "
           "use_fused_mlp=True",
           note="fields = the documented plugin flags; reduce_fusion/use_fused_mlp defaults "
-          "not given; unknown keys are ignored, not refused (read back what you set)"),
+          "not given; unknown keys are ignored, not refused (read back what you set); an "
+          "'auto' field reads back as dtype (plugin.py at 1.2.0rc2, per issue 33)"),
     Entry(f"{T}.plugin.PluginConfig", "alias", target=f"{T}.plugin.plugin.PluginConfig",
           ref="-", documented=False),
     Entry(f"{B}.build", "function", sig="model, build_config", ref="§1.2"),

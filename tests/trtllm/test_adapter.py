@@ -201,3 +201,30 @@ def test_shutdown_ends_running_requests_promptly(trtllm_fake: ModuleType, engine
     assert {s.events[-1].finish_reason for s in sinks} == {"cancelled"}
     assert a.num_unfinished() == 0 and a._ex is None  # the Executor can be destroyed now
     a.cancel("long0")  # after shutdown: nothing to do, no error
+
+
+def test_min_tokens_holds_back_every_eos_id_not_only_end_id(trtllm_fake: ModuleType,
+                                                            engine_tp1: Path) -> None:
+    """TensorRT-LLM's min_tokens masks the Request's end_id alone; a model's other eos ids
+    (Llama 3's <|eot_id|>), sent as stop words, must not end the request before min_tokens
+    either, as our own sampler masks every stop id."""
+    from runtime.executors.trtllm import TrtllmExecutor
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
+
+    toy, prompt = _toy(engine_tp1), [5, 17, 33, 2]
+    plain, _ = toy.generate(prompt, 8, end_id=EOS)
+    other = plain[1]  # the second token the model would give is the other eos id
+    assert EOS not in plain[:2] and plain[0] != other
+    first, _ = toy.generate(prompt, 5, end_id=EOS, bad_words=[[other]], min_tokens=5)
+    rest, _ = toy.generate(prompt + first, 3, end_id=EOS, stop_words=[[other]])
+    a = TrtllmExecutor(construct_executor(engine_tp1, kv_cache_config(None, 1024)),
+                       eos_token_ids=(EOS, other), pad_id=EOS)
+    try:
+        sink = _Sink()
+        a.add_request("m", prompt, SamplingParams(max_tokens=8, temperature=0.0, min_tokens=5),
+                      sink)
+        assert sink.done.wait(10)
+    finally:
+        a.shutdown()
+    assert other not in sink.tokens[:5] and sink.tokens == first + rest
+    assert sink.events[-1].finish_reason in ("stop", "length") and a.num_unfinished() == 0

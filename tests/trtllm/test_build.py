@@ -180,3 +180,45 @@ def test_trtllm_extra_lets_tensorrt_llm_choose_its_tensorrt() -> None:
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["trtllm"]
     assert extras == ["tensorrt_llm==1.2.*"]
+
+
+def test_plugin_config_auto_reads_back_as_the_dtype_and_the_build_takes_it(
+        trtllm_fake: ModuleType, tmp_path: Path) -> None:
+    """The real PluginConfig returns its dtype for a field set to "auto" (plugin.py); reading
+    back gemm_plugin="auto" as a mismatch stopped every non-fp8 build."""
+    from tensorrt_llm.plugin import PluginConfig
+
+    from pipeline.compile.trtllm import make_build_config
+
+    pc = PluginConfig(gemm_plugin="auto", dtype="bfloat16")
+    assert pc.gemm_plugin == "bfloat16" and pc.model_dump()["gemm_plugin"] == "auto"
+    bc = make_build_config(BuildProfile(max_batch_size=4, max_num_tokens=128, max_seq_len=256),
+                           tmp_path / "timing.cache")
+    assert bc.plugin_config.model_dump()["gemm_plugin"] == "auto"
+    assert bc.plugin_config.multiple_profiles and bc.plugin_config.tokens_per_block == 16
+
+
+def test_a_golden_run_that_hangs_fails_the_build_naming_the_stage(
+        engine_tp1: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The golden run is a child process (under mpirun at TP > 1): one that does not finish is
+    killed after AOTLLM_GOLDEN_TIMEOUT_S and the build says which stage hung."""
+    import shutil
+    import time
+
+    from contract.errors import BuildError
+    from pipeline.compile.trtllm import compute_golden
+    from tests.trtllm.conftest import fake_env
+
+    engine = tmp_path / "engine"
+    shutil.copytree(engine_tp1, engine)
+    for p in [engine, *engine.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    monkeypatch.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])
+    monkeypatch.setenv("FAKE_TRTLLM_ITER_DELAY_MS", "3000")  # 8 tokens: ~24 s
+    monkeypatch.setenv("AOTLLM_GOLDEN_TIMEOUT_S", "2")
+    t0 = time.monotonic()
+    with pytest.raises(BuildError) as info:
+        compute_golden(engine, 1, "float32")
+    assert time.monotonic() - t0 < 15
+    assert "stage golden" in str(info.value) and "did not finish within 2 s" in str(info.value)
+    assert not (engine / ".golden.json").exists()

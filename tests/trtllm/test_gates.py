@@ -153,3 +153,26 @@ def test_kv_cache_smaller_than_a_sequence_fails_warmup_naming_it(
     assert "exceeds maximum input length" not in msg
     err = capfd.readouterr().err
     assert "maxAttentionWindow and maxSequenceLen are too large" in err  # TensorRT-LLM's log
+
+
+def test_release_tells_whether_the_executor_is_gone(trtllm_fake: ModuleType,
+                                                    engine_tp1: Path) -> None:
+    """The Executor is a nanobind class without weak references: release() must still tell
+    an Executor it destroyed from one that something else keeps alive past MPI_Finalize."""
+    import weakref
+
+    from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
+
+    ex = construct_executor(engine_tp1, kv_cache_config(None, 1024))
+    with pytest.raises(TypeError):
+        weakref.ref(ex)
+    ex.shutdown()
+    backend = TrtllmBackend.__new__(TrtllmBackend)  # as after the kernels gate and close()
+    backend.adapter, backend.executor = None, ex
+    backend._executor_ref = None  # what the kernels gate kept before (weakref -> TypeError)
+    holder = [ex]
+    del ex
+    assert backend.release() is False  # the list still holds it
+    assert backend.executor is None
+    backend.executor = holder.pop()
+    assert backend.release() is True

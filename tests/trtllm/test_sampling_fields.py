@@ -31,10 +31,9 @@ def adapter(trtllm_fake: ModuleType, engine_tp1: Path) -> Iterator[Any]:
 
 def test_penalties_min_tokens_and_logprobs_are_mapped(adapter: Any) -> None:
     req = adapter.make_request([1, 2], SamplingParams(
-        max_tokens=9, temperature=0.8, seed=4, repetition_penalty=1.2, presence_penalty=0.5,
-        frequency_penalty=-0.3, min_tokens=3, logprobs=0))
+        max_tokens=9, temperature=0.8, seed=4, repetition_penalty=1.2, min_tokens=3, logprobs=0))
     sc = req.sampling_config
-    assert (sc.repetition_penalty, sc.presence_penalty, sc.frequency_penalty) == (1.2, 0.5, -0.3)
+    assert (sc.repetition_penalty, sc.presence_penalty, sc.frequency_penalty) == (1.2, None, None)
     assert (sc.min_tokens, sc.seed) == (3, 4)
     assert req.output_config.return_log_probs
     plain = adapter.make_request([1], SamplingParams(max_tokens=2, temperature=0.0))
@@ -61,6 +60,9 @@ def test_the_chosen_tokens_logprobs_come_back(adapter: Any) -> None:
     ("guided", SamplingParams(guided=GuidedSpec("json_schema", json.dumps({"type": "object"})))),
     ("num_sequences", SamplingParams(n=2)),
     ("num_sequences", SamplingParams(n=1, best_of=3)),
+    # TensorRT-LLM counts the prompt's tokens for these (penaltyKernels.cu); we do not.
+    ("presence_penalty", SamplingParams(presence_penalty=0.5)),
+    ("frequency_penalty", SamplingParams(frequency_penalty=-0.3)),
 ])
 def test_what_is_not_mapped_is_refused_naming_the_field(adapter: Any, param: str,
                                                         params: SamplingParams) -> None:
@@ -68,3 +70,34 @@ def test_what_is_not_mapped_is_refused_naming_the_field(adapter: Any, param: str
         adapter.add_request("x", [1, 2], params, _Sink())
     assert info.value.param == param and "trtllm" in str(info.value)
     assert adapter.num_unfinished() == 0
+
+
+def test_repetition_penalty_serves_what_our_torch_sampler_serves(adapter: Any,
+                                                                  engine_tp1: Path) -> None:
+    """The fake applies TensorRT-LLM's penalty kernel to the toy's logits (temperature first,
+    prompt tokens counted); greedy tokens with repetition_penalty must be the ones our own
+    logits processors (runtime/logits.py) pick from the same logits."""
+    import torch
+    from tensorrt_llm._fake.toy import ToyModel
+
+    from runtime.logits import SeqSampling, apply_processors
+
+    toy = ToyModel.from_engine_dir(engine_tp1)
+    head = [5, 17]
+    prompt = [toy.next_token(head), 3, *head]  # the toy's next token is already in the prompt
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=2.5)
+    sink = _Sink()
+    adapter.add_request("rep", prompt, params, sink)
+    assert sink.done.wait(10)
+
+    state, seq, want = SeqSampling(params, None, (), prompt), list(prompt), []
+    for _ in range(params.max_tokens):
+        row = torch.tensor([[toy.logit(seq, v) for v in range(toy.vocab_size)]])
+        apply_processors(row, [state])
+        tok = int(row[0].argmax())
+        state.accept(tok, None)
+        seq.append(tok)
+        want.append(tok)
+    assert sink.tokens == want
+    assert want != toy.generate(prompt, 8)[0]  # the penalty changed the answer

@@ -8,17 +8,42 @@ Generation rules shared by the Executor and by tests that predict its output:
 - end_id ends the sequence and is NOT part of the output (finish reason END_ID);
 - a stop word IS part of the output (finish reason STOP_WORDS);
 - otherwise max_tokens tokens are produced (finish reason LENGTH).
+
+Penalties, as TensorRT-LLM's penalty kernel applies them (cpp/tensorrt_llm/kernels/
+penaltyKernels.cu, `batchApplyPenalty`): the toy's logit of token v is 1 - 0.5 * d, d =
+(v - next) mod vocab_size; temperature divides it first; then every token that occurs in the
+prompt OR the output so far (the context phase fills the penalty workspace with the prompt's
+tokens) has its logit divided (positive) or multiplied (negative) by repetition_penalty, and
+presence_penalty and frequency_penalty * count subtracted. min_tokens masks end_id only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import env
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """SamplingConfig's temperature and penalties (None = not set)."""
+
+    temperature: float | None = None
+    repetition: float | None = None
+    presence: float | None = None
+    frequency: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.repetition, self.presence, self.frequency))
+
+
+NO_PENALTIES = Penalties()
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,31 @@ class ToyModel:
     def next_token(self, seq: Sequence[int]) -> int:
         return (self.a * sum(seq[-self.k :]) + self.b) % self.vocab_size
 
+    def logit(self, seq: Sequence[int], v: int) -> float:
+        return 1.0 - 0.5 * ((v - self.next_token(seq)) % self.vocab_size)
+
+    def ranked(self, seq: Sequence[int], pen: Penalties) -> list[int]:
+        """Tokens best first after temperature, then penalties (penaltyKernels.cu order),
+        counting every occurrence in `seq` (prompt and output alike)."""
+        counts = Counter(seq)
+        inv_t = 1.0 / (pen.temperature + 1e-6) if pen.temperature is not None else 1.0
+
+        def score(v: int) -> float:
+            x = self.logit(seq, v) * inv_t
+            n = counts.get(v, 0)
+            if n:
+                if pen.repetition is not None:
+                    x = x * pen.repetition if x < 0 else x / pen.repetition
+                if pen.presence is not None:
+                    x -= pen.presence
+                if pen.frequency is not None:
+                    x -= pen.frequency * n
+            return x
+
+        nxt = self.next_token(seq)
+        order = [(nxt + d) % self.vocab_size for d in range(self.vocab_size)]
+        return sorted(order, key=score, reverse=True)  # stable: ties keep the toy's order
+
     def choose(
         self,
         seq: Sequence[int],
@@ -73,8 +123,16 @@ class ToyModel:
         bad_words: Sequence[Sequence[int]],
         min_tokens: int,
         offset: int = 0,
+        pen: Penalties = NO_PENALTIES,
     ) -> int:
         """The greedy token (`offset` 0), or the offset-th candidate after it (sampling)."""
+        if pen.any:
+            order = self.ranked(seq, pen)
+            for cand in order[offset:] + order[:offset]:
+                banned_end = end_id is not None and cand == end_id and n_generated < min_tokens
+                if not banned_end and not _completes(seq, cand, bad_words):
+                    return cand
+            raise RuntimeError("fake toy model: every token is banned")
         cand = (self.next_token(seq) + offset) % self.vocab_size
         for _ in range(self.vocab_size):
             banned_end = end_id is not None and cand == end_id and n_generated < min_tokens

@@ -42,6 +42,11 @@ KV_TOO_SMALL = (
 
 
 class Executor:
+    # A nanobind class: no __weakref__ slot, so weakref.ref(executor) raises TypeError (as
+    # nanobind's classes do unless bound with nb::is_weak_referenceable(), which
+    # cpp/tensorrt_llm/nanobind/executor/executor.cpp does not pass for Executor).
+    __slots__ = ("_comms", "_leader", "_loop", "_next_id", "_shut", "_world")
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from ..._fake import env
-from ..._fake.toy import ends_with_stop_word
+from ..._fake.toy import Penalties, ends_with_stop_word
 from ._config import ExecutorConfig
 from ._enums import CapacitySchedulerPolicy, FinishReason
 from ._load import LoadedEngine
@@ -206,8 +206,11 @@ class Loop:
         if seq.rng is not None:  # sampling: one of the top_k candidates (all, without top_k)
             k = r.sampling_config.top_k
             offset = seq.rng.randrange(k if k is not None and k > 1 else self.eng.toy.vocab_size)
+        sc = r.sampling_config
+        pen = Penalties(sc.temperature, sc.repetition_penalty, sc.presence_penalty,
+                        sc.frequency_penalty)
         tok = self.eng.toy.choose(
-            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens, offset
+            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens, offset, pen
         )
         if r.end_id is not None and tok == r.end_id:
             self._finish(seq, FinishReason.END_ID, [])  # end_id is not an output token
