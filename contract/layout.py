@@ -40,10 +40,14 @@ KERNELS_LIB = "kernels.so"
 # "rowsqh" is "rows" for float weights with the quantized linears and LM head in pair panels:
 # what AVX512-BF16/AMX targets read (float GEMMs there run `vdpbf16ps` and oneDNN on
 # row-major weights, the pair panels `vpdpwssd`: runtime/kernels/qpanel_vnni.h).
-# "pairs16" is for bf16 engines on AMX targets: the float linears and LM head in pair panels
-# (16 columns, each column's weights interleaved by pairs of k), whose runs of 32 k are, byte
-# for byte, AMX's B tiles: runtime/kernels/pair_linear.cpp multiplies them as stored (oneDNN
-# on row-major weights repacked them for its tiles in every call: twice the memory's time).
+# "pairs16" is for bf16 engines on AVX512-BF16 and AMX targets: the float linears and LM head
+# in pair panels (16 columns, each column's weights interleaved by pairs of k), whose runs of
+# 32 k are, byte for byte, AMX's B tiles: runtime/kernels/pair_linear.cpp multiplies them as
+# stored (oneDNN on row-major weights repacked them for its tiles in every call: twice the
+# memory's time). Without AMX its `vdpbf16ps` passes (a broadcast pair of x against 16
+# columns) beat row-major dot products and oneDNN too: SmolLM2's 30 layers, 1 thread, AMD
+# EPYC (Zen 4, AVX512-BF16): 1 row 12.2 ms both, 4 rows 22.5 -> 14.8, 16 rows 45.9 -> 28.1,
+# 64 rows 91.8 -> 77.3; its LM head (float32 logits) 16 rows 10.7 (oneDNN, bf16 out) -> 7.3.
 WEIGHT_LAYOUTS = ("rows", "panels16", "panels16q", "panels16qh", "rowsqh", "pairs16")
 FLOAT_PANEL_LAYOUTS = ("panels16", "panels16q", "panels16qh")  # float linears in panels
 FLOAT_PAIR_LAYOUTS = ("pairs16",)  # float linears (and LM head) in pair panels
@@ -53,6 +57,8 @@ PANEL_COLUMNS = 16
 # CPU ISA levels without a native bf16 dot product: there the panel kernel beats the
 # row-major paths (on avx512_bf16/amx targets vdpbf16ps and oneDNN keep row-major weights).
 _PANEL_ISAS = ("avx2", "avx512")
+# Where bf16 engines take pair panels ("pairs16"): AMX tiles, or vdpbf16ps passes.
+_PAIR_ISAS = ("avx512_bf16", "amx")
 # Where quantized 16-bit models take pair panels: AVX2's integer kernel, AVX-512's VNNI one.
 _QPANEL_LAYOUT = {"avx2": "panels16qh", "avx512_bf16": "rowsqh", "amx": "rowsqh"}
 
@@ -61,13 +67,14 @@ def weight_layout_for(backend: str, device: str, isa: str | None, quantized: boo
                       dtype: str | None = None) -> str:
     """The layout a build writes for aoti engines on CPU targets: float linears in panels
     where the panel kernel wins (_PANEL_ISAS), in pair panels for bf16 engines (`dtype`) on
-    AMX targets, and when `quantized` (a quantized engine of 16-bit activations) the
-    quantized linears in pair panels where an integer kernel reads them (_QPANEL_LAYOUT)."""
+    targets with a bf16 dot product (_PAIR_ISAS), and when `quantized` (a quantized engine of
+    16-bit activations) the quantized linears in pair panels where an integer kernel reads
+    them (_QPANEL_LAYOUT)."""
     if backend != "aoti" or device != "cpu":
         return "rows"
     if quantized and isa in _QPANEL_LAYOUT:
         return _QPANEL_LAYOUT[isa]
-    if not quantized and isa == "amx" and dtype == "bfloat16":
+    if not quantized and isa in _PAIR_ISAS and dtype == "bfloat16":
         return "pairs16"
     return "panels16" if isa in _PANEL_ISAS else "rows"
 

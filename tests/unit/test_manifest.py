@@ -105,9 +105,11 @@ def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engin
     # AVX512-BF16, whose float weights stay row-major)
     assert [weight_layout_for("aoti", "cpu", isa, quantized=True) for isa in ISA_LEVELS] == [
         "rows", "panels16qh", "panels16", "rowsqh", "rowsqh"]
-    # bf16 engines on AMX targets: float linears in pair panels, AMX's B tiles as stored
+    # bf16 engines with a bf16 dot product: float linears in pair panels (AMX's B tiles as
+    # stored; vdpbf16ps passes without AMX)
     assert [weight_layout_for("aoti", "cpu", isa, dtype="bfloat16") for isa in ISA_LEVELS] == [
-        "rows", "panels16", "panels16", "rows", "pairs16"]
+        "rows", "panels16", "panels16", "pairs16", "pairs16"]
+    assert weight_layout_for("aoti", "cpu", "avx512_bf16", dtype="float32") == "rows"
     assert weight_layout_for("aoti", "cpu", "amx", dtype="float16") == "rows"
     assert weight_layout_for("aoti", "cpu", "amx", quantized=True, dtype="bfloat16") == "rowsqh"
     assert weight_layout_for("eager", "cpu", "avx2") == "rows"
