@@ -150,6 +150,7 @@ async def _metrics(request: web.Request) -> web.Response:
             log.exception("executor.stats() failed during a metrics scrape")
     state.metrics.refresh(stats, _gates(state))
     state.metrics.refresh_gc(PAUSES.totals())
+    state.metrics.refresh_grammar(state.grammar_stats())
     # generate_latest writes text format 0.0.4 (our names need no escaping); say so rather
     # than CONTENT_TYPE_LATEST, which is version=1.0.0 from prometheus_client 0.23 on.
     return web.Response(body=generate_latest(state.metrics.registry),
