@@ -1,9 +1,13 @@
 """Grammar-constrained sampling with xgrammar (the library TensorRT-LLM and vLLM use).
 
 A `GuidedSpec` (JSON object, JSON Schema, regex, EBNF grammar, or a list of choices) is
-compiled once per distinct spec against the tokenizer's vocabulary (`GrammarCompiler`,
-an LRU cache; compiling a large schema takes milliseconds to seconds, so the HTTP layer
-does it off the event loop and off the engine thread). Each sequence then walks the
+compiled once per distinct spec against the tokenizer's vocabulary (`GrammarCompiler`).
+Compiling takes milliseconds for a small schema but has no bound: a 63 KB schema of 700
+patterned strings took 131.9 s against a 49k-token vocabulary, and its compiled grammar
+holds tens of MB. So compiles run on a small pool of worker threads (xgrammar releases
+the GIL), a caller waits for one only up to a deadline (xgrammar cannot be interrupted:
+an abandoned compile runs on, but only as many as the pool has threads), and compiled
+grammars are kept in an LRU cache bounded by their bytes. Each sequence then walks the
 compiled grammar with its own `GrammarMatcher`; before every draw the matcher fills a
 token bitmask that the sampler applies to the logits, so only tokens that keep the
 output a valid prefix of the language survive, and the stop tokens only once the output
@@ -21,7 +25,9 @@ xgrammar takes seconds to import (it pulls in triton), so it is imported on firs
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -33,11 +39,45 @@ import torch
 
 from runtime.types import GuidedSpec
 
-CACHE_SIZE = 256  # compiled grammars kept (distinct specs)
+Future = concurrent.futures.Future
 
 
 class GrammarError(ValueError):
     """The spec does not compile (bad JSON Schema, regex or grammar): the client's fault."""
+
+
+class GrammarTimeout(GrammarError):
+    """The spec did not compile within the deadline (it may still finish, and be cached)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarConfig:
+    """Bounds on structured-output compiles: the time a caller waits, the threads that
+    compile, and the bytes of compiled grammars kept."""
+
+    compile_timeout_s: float = 5.0
+    compile_workers: int = 2
+    cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"the grammar compile timeout must be positive, got "
+                             f"{self.compile_timeout_s}")
+        if self.compile_workers < 1:
+            raise ValueError(f"grammar compile workers must be at least 1, got "
+                             f"{self.compile_workers}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"the grammar cache size must be >= 0, got {self.cache_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarStats:
+    """A snapshot for /metrics."""
+
+    cache_bytes: int  # compiled grammars kept
+    cache_entries: int
+    in_flight: int  # compiles queued or running, waited for or abandoned
+    compiled: int  # compiles finished (successful or not), since the start
 
 
 def _xgr() -> Any:
@@ -55,21 +95,30 @@ def _clean(exc: Exception) -> str:
 class GrammarCompiler:
     """Compiles specs for one tokenizer and model vocabulary, caching the results.
 
-    Thread-safe: the HTTP layer's worker threads compile concurrently; xgrammar's own
-    compiler is thread-safe, the cache is guarded by a lock.
+    Thread-safe. `start` hands back a future (done at once on a cache hit); the same spec
+    asked for while it compiles shares the one compile. A caller that stops waiting
+    (deadline, client gone) calls `release`: a compile nobody waits for any more is
+    withdrawn if it has not started, and otherwise finishes on its worker and is cached.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 config: GrammarConfig | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
-        self._lock = threading.Lock()
+        self.config = config or GrammarConfig()
+        self._lock = threading.Lock()  # the cache, the pending compiles, the counters
+        self._init_lock = threading.Lock()  # the xgrammar compiler, made on first use
         self._compiler: Any = None
         self._control: torch.Tensor | None = None  # bitmask words: no control byte
-        self._cache: OrderedDict[GuidedSpec, Grammar] = OrderedDict()
+        self._cache: OrderedDict[GuidedSpec, tuple[Grammar, int]] = OrderedDict()
+        self._cache_bytes = 0
+        self._pending: dict[GuidedSpec, tuple[Future[Grammar], list[int]]] = {}
+        self._compiled = 0
+        self._queue: queue.SimpleQueue[tuple[GuidedSpec, Future[Grammar]]] | None = None
 
     def _get_compiler(self) -> tuple[Any, torch.Tensor]:
-        with self._lock:
+        with self._init_lock:
             if self._compiler is None:
                 xgr = _xgr()
                 # The model's vocabulary may be padded past the tokenizer's: the extra ids
@@ -84,25 +133,102 @@ class GrammarCompiler:
                 control = [any(c < 0x20 for c in piece) and i not in self.stop_token_ids
                            for i, piece in enumerate(info.decoded_vocab)]
                 self._control = _pack(~torch.tensor(control, dtype=torch.bool))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # xgrammar's own cache is unbounded (cache_limit_bytes=-1) and would keep a
+                # second copy of every grammar: ours, bounded by bytes, is the only one.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                     cache_enabled=False)
             assert self._control is not None
             return self._compiler, self._control
 
-    def compile(self, spec: GuidedSpec) -> Grammar:
-        """The compiled grammar of `spec`; GrammarError when it does not compile."""
+    def start(self, spec: GuidedSpec) -> Future[Grammar]:
+        """The compile of `spec`, as a future (GrammarError when it does not compile).
+        Every `start` must be paired with a `release` once the caller stops waiting."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return hit
+                done: Future[Grammar] = Future()
+                done.set_result(hit[0])
+                return done
+            pending = self._pending.get(spec)
+            if pending is not None:
+                pending[1][0] += 1
+                return pending[0]
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                for i in range(self.config.compile_workers):
+                    # Daemon threads, not a ThreadPoolExecutor: its exit handler joins its
+                    # threads, and an abandoned compile could hold the exit for minutes.
+                    threading.Thread(target=self._work, args=(self._queue,), daemon=True,
+                                     name=f"grammar-compile-{i}").start()
+            future: Future[Grammar] = Future()
+            self._pending[spec] = (future, [1])
+            self._queue.put((spec, future))
+        return future
+
+    def release(self, spec: GuidedSpec, future: Future[Grammar]) -> None:
+        """The caller no longer waits for `future` (from `start`)."""
+        with self._lock:
+            pending = self._pending.get(spec)
+            if pending is None or pending[0] is not future:
+                return  # done (or a cache hit)
+            pending[1][0] -= 1
+            # Withdrawn only if it has not started (then no CPU is spent on it); a running
+            # compile cannot be interrupted and finishes into the cache.
+            if pending[1][0] == 0 and future.cancel():
+                del self._pending[spec]
+
+    def compile(self, spec: GuidedSpec, timeout: float | None = None) -> Grammar:
+        """The compiled grammar of `spec`; GrammarError when it does not compile,
+        GrammarTimeout when it has not within `timeout` seconds (None: no deadline)."""
+        future = self.start(spec)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise GrammarTimeout(f"did not compile within {timeout:g} s") from None
+        finally:
+            self.release(spec, future)
+
+    def _work(self, jobs: queue.SimpleQueue[tuple[GuidedSpec, Future[Grammar]]]) -> None:
+        while True:
+            spec, future = jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # withdrawn: nobody waited for it any more
+            try:
+                grammar = self._build(spec)
+            except BaseException as exc:  # the waiter's to raise (GrammarError and any bug)
+                self._finished(spec, None)
+                future.set_exception(exc)
+            else:
+                self._finished(spec, grammar)  # cached before any waiter sees it
+                future.set_result(grammar)
+
+    def _build(self, spec: GuidedSpec) -> Grammar:
         compiler, control = self._get_compiler()
         json_kind = spec.kind in ("json_object", "json_schema")
-        compiled = Grammar(self._compile(compiler, spec), control if json_kind else None)
+        return Grammar(self._compile(compiler, spec), control if json_kind else None)
+
+    def _finished(self, spec: GuidedSpec, grammar: Grammar | None) -> None:
+        """Cache a finished compile (None: it failed); the least recently used grammars
+        make room."""
         with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+            del self._pending[spec]
+            self._compiled += 1
+            if grammar is None:
+                return
+            size = int(grammar.compiled.memory_size_bytes)
+            if size > self.config.cache_bytes:
+                return  # used by its requests, kept by none
+            self._cache[spec] = (grammar, size)
+            self._cache_bytes += size
+            while self._cache_bytes > self.config.cache_bytes:
+                _, (_, old) = self._cache.popitem(last=False)
+                self._cache_bytes -= old
+
+    def stats(self) -> GrammarStats:
+        with self._lock:
+            return GrammarStats(cache_bytes=self._cache_bytes, cache_entries=len(self._cache),
+                                in_flight=len(self._pending), compiled=self._compiled)
 
     @property
     def cache_size(self) -> int:

@@ -36,6 +36,12 @@ class LaunchConfig:
     max_body_bytes: int = 1 << 20
     max_connections: int = 1024
     header_timeout: float = 10.0
+    # Structured output (runtime/grammar.py's GrammarConfig): a request waits this long for
+    # its grammar to compile, else 400; compiles run on this many threads; compiled
+    # grammars are kept up to this many MiB.
+    grammar_compile_timeout: float = 5.0
+    grammar_compile_workers: int = 2
+    grammar_cache_mib: int = 256
     engine_cache: Path | None = None  # None: engines from a store are read, not cached
     store_deadline: float = 30.0
     mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
@@ -73,6 +79,14 @@ class LaunchConfig:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.header_timeout > 0:
             raise ValueError(f"--header-timeout must be positive, got {self.header_timeout}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be positive, got "
+                             f"{self.grammar_compile_timeout}")
+        if self.grammar_compile_workers < 1:
+            raise ValueError("--grammar-compile-workers must be at least 1, got "
+                             f"{self.grammar_compile_workers}")
+        if self.grammar_cache_mib < 0:
+            raise ValueError(f"--grammar-cache-mib must be >= 0, got {self.grammar_cache_mib}")
         if self.hosts is not None and self.hostfile is not None:
             raise ValueError("give either --hosts or --hostfile, not both")
         if self.comm_iface is not None and not self.comm_iface.strip():
@@ -109,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
     )
     kv.add_argument("--kv-cache-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests admitted at once before 429 (default 256)")
+                   help="requests admitted at once before 429 (default 256); a completions "
+                   "batch of more prompts than this is a 400")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                    help="prompt tokens one step may compute while other requests decode, so "
                    "that a long prompt stalls their streams for a short chunk at a time "
@@ -133,6 +148,14 @@ def parser() -> argparse.ArgumentParser:
                    help="open HTTP connections at once; more are closed at accept (default 1024)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a new connection has to send its request header (default 10)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds a structured-output request waits for its grammar to compile, "
+                   "else 400 (default 5); the compile runs on and is cached")
+    p.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
+                   help="threads that compile grammars; more compiles wait (default 2)")
+    p.add_argument("--grammar-cache-mib", type=int, default=256, metavar="MIB",
+                   help="compiled grammars kept, least recently used dropped first "
+                   "(default 256 MiB; 0 keeps none)")
     p.add_argument("--mpirun", default=None,
                    help="the mpirun `serve launch` starts when run on its own (default: "
                    "$AOTLLM_MPIRUN, else the mpirun of the MPI library mpi4py loads, else the "
@@ -174,6 +197,9 @@ def parse(argv: list[str]) -> LaunchConfig:
         api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
         header_timeout=ns.header_timeout, engine_cache=cache, store_deadline=ns.store_deadline,
+        grammar_compile_timeout=ns.grammar_compile_timeout,
+        grammar_compile_workers=ns.grammar_compile_workers,
+        grammar_cache_mib=ns.grammar_cache_mib,
         mpirun=ns.mpirun, comm_iface=ns.comm_iface,
         hosts=ns.hosts, hostfile=ns.hostfile, mpirun_args=tuple(ns.mpirun_args),
     )

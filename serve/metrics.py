@@ -130,6 +130,19 @@ class ServingMetrics:
         for gen in GENERATIONS:  # on the page from the start, at 0
             self.gc_pauses.labels(generation=str(gen))
             self.gc_pause_seconds.labels(generation=str(gen))
+        # Structured output (runtime/grammar.py): the compiled-grammar cache, bounded by
+        # bytes, and the compiles on its bounded pool, those abandoned past the deadline too.
+        self.grammar_cache_bytes = Gauge(f"{p}grammar_cache_bytes",
+                                         "Bytes of compiled grammars kept in the cache.",
+                                         registry=r)
+        self.grammar_cache_entries = Gauge(f"{p}grammar_cache_entries",
+                                           "Compiled grammars kept in the cache.", registry=r)
+        self.grammar_compiles_in_flight = Gauge(
+            f"{p}grammar_compiles_in_flight", "Grammar compiles queued or running, those "
+            "whose requests timed out included (they finish into the cache).", registry=r)
+        self.grammar_compile_timeouts = Counter(
+            f"{p}grammar_compile_timeouts", "Requests answered 400 because their grammar did "
+            "not compile within --grammar-compile-timeout.", registry=r)
         # Counters that follow a source's running total (the executor's, the collector's):
         # see _follow.
         self._seen: dict[tuple[str, str], float] = {}  # (series, label) -> highest total
@@ -161,6 +174,12 @@ class ServingMetrics:
             seconds = gate.get("seconds")
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 self.gate_seconds.labels(gate=str(gate.get("name", "?"))).set(float(seconds))
+
+    def refresh_grammar(self, stats: object | None) -> None:
+        """Scrape-time update from `GrammarCompiler.stats()` (None: no compile yet)."""
+        self.grammar_cache_bytes.set(getattr(stats, "cache_bytes", 0))
+        self.grammar_cache_entries.set(getattr(stats, "cache_entries", 0))
+        self.grammar_compiles_in_flight.set(getattr(stats, "in_flight", 0))
 
     def refresh_gc(self, totals: Mapping[int, PauseTotals]) -> None:
         """Scrape-time update from `gcpolicy.PAUSES.totals()`."""

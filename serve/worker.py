@@ -157,12 +157,16 @@ class HttpStartup:
     def _run(self) -> None:
         cfg = self.cfg
         try:
+            from runtime.grammar import GrammarConfig
             from serve.api import ServerState, start_http_server
 
+            grammar = GrammarConfig(compile_timeout_s=cfg.grammar_compile_timeout,
+                                    compile_workers=cfg.grammar_compile_workers,
+                                    cache_bytes=cfg.grammar_cache_mib << 20)
             state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
                                 max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
                                 api_key=cfg.api_key, max_connections=cfg.max_connections,
-                                header_timeout=cfg.header_timeout)
+                                header_timeout=cfg.header_timeout, grammar=grammar)
             self.on_state(state)
             self.http = start_http_server(state, cfg.host, cfg.port)
             self.state = state

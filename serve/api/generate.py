@@ -1,9 +1,11 @@
 """POST /v1/completions and /v1/chat/completions: validate, submit, stream back.
 
-Order of checks: body size (413) -> JSON and parameters (400) -> model (404) -> tokenize,
-context length and structured-output grammar (400) -> admission (503) -> queue depth
-(429) -> submit (400 for a field the engine cannot honour). Invalid requests get their
-400 even while the worker is starting or draining: retrying them later would not help.
+Order of checks: body size (413) -> JSON and parameters (400) -> model (404) -> a batch
+larger than the queue (400) -> tokenize, context length and structured-output grammar
+(400; a grammar that does not compile within the deadline too) -> admission (503) ->
+queue depth (429) -> submit (400 for a field the engine cannot honour). Invalid requests
+get their 400 even while the worker is starting or draining: retrying them later would
+not help, and a 429 is only for load that clears.
 The request in flight, its choices and events are in run.py.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from runtime.grammar import GrammarError
+from runtime.grammar import Grammar, GrammarError
 from runtime.types import Executor, SamplingParams, UnsupportedParameter
 from serve.api.prompt import build_sampling_params, encode_prompts, model_vocab
 from serve.api.protocol import (
@@ -97,23 +99,49 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 
 def _prepare(state: ServerState, req: GenerationRequest
              ) -> tuple[list[list[int]], SamplingParams]:
-    """Tokenize, check lengths and ids, compile the grammar (worker thread: all of it can
-    take long enough to stall every other connection if run on the event loop)."""
+    """Tokenize, check lengths and ids (worker thread: it can take long enough to stall
+    every other connection if run on the event loop)."""
     tokenizer = state.tokenizer
     prompts = encode_prompts(req, tokenizer, state.vocab_size)
     vocab = model_vocab(tokenizer, state.vocab_size)
     params = [build_sampling_params(req, len(ids), state.max_seq_len, state.eos_token_ids(),
                                     vocab) for ids in prompts]
     # The budget is the same for every prompt but for a chat default (one prompt only).
-    first = min(params, key=lambda p: p.max_tokens)
-    if req.guided is not None:
-        param = req.guided_param or "response_format"
-        try:
-            first = replace(first, grammar=state.grammar_compiler().compile(req.guided))
-        except GrammarError as exc:
-            raise ApiError(400, f"'{param}' does not compile to a grammar: {exc}",
-                           param=param, code="invalid_value") from None
-    return prompts, first
+    return prompts, min(params, key=lambda p: p.max_tokens)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    # An abandoned compile's outcome is nobody's: mark it seen, so asyncio does not log
+    # "exception was never retrieved" for a schema that failed after its deadline.
+    if not future.cancelled():
+        future.exception()
+
+
+async def _compile_grammar(state: ServerState, req: GenerationRequest) -> Grammar:
+    """The request's grammar, compiled on the compiler's bounded pool. The wait has a
+    deadline (compiles have no bound: seconds to minutes for a large schema); past it the
+    request is a 400 naming the field, and the compile runs on into the cache."""
+    assert req.guided is not None
+    param = req.guided_param or "response_format"
+    compiler = state.grammar_compiler()
+    timeout = compiler.config.compile_timeout_s
+    future = compiler.start(req.guided)
+    try:
+        waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(_retrieved)
+        # asyncio.wait, not wait_for: a timeout must not cancel a compile others may share.
+        await asyncio.wait([waiting], timeout=timeout)
+        if not waiting.done():
+            state.metrics.grammar_compile_timeouts.inc()
+            raise ApiError(400, f"'{param}' did not compile to a grammar within {timeout:g} s "
+                           "(the server's --grammar-compile-timeout); simplify the schema",
+                           param=param, code="grammar_compile_timeout")
+        return waiting.result()
+    except GrammarError as exc:
+        raise ApiError(400, f"'{param}' does not compile to a grammar: {exc}",
+                       param=param, code="invalid_value") from None
+    finally:
+        compiler.release(req.guided, future)
 
 
 # SamplingParams fields an executor may refuse -> the request field the client sent.
@@ -129,10 +157,18 @@ async def _generate(request: web.Request, state: ServerState, kind: str,
         raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
                        f"'{state.model_name}'", type="invalid_request_error", param="model",
                        code="model_not_found")
+    if len(req.prompts) > state.max_queue:
+        # Never admissible, however long the client waits: a 400, not a 429 to retry.
+        raise ApiError(400, f"'prompt' holds {len(req.prompts)} prompts but this server "
+                       f"admits at most {state.max_queue} requests at once (--max-queue); "
+                       f"send at most {state.max_queue} prompts per request", param="prompt",
+                       code="batch_exceeds_max_queue")
     if state.tokenizer is None:
         raise unavailable(state)
     prompts, params = await asyncio.get_running_loop().run_in_executor(
         None, _prepare, state, req)
+    if req.guided is not None:
+        params = replace(params, grammar=await _compile_grammar(state, req))
     executor = state.executor
     if not state.readiness.is_ready or executor is None:
         raise unavailable(state)

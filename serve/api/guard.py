@@ -7,6 +7,9 @@
 - A connection must deliver a complete request header within `header_timeout` seconds
   of opening, or it is closed: a client that trickles its header (slowloris) holds
   nothing for long. aiohttp has no such timeout of its own.
+- A request aiohttp's parser refuses (Content-Length beside Transfer-Encoding, a negative
+  Content-Length) is the client's error: one INFO line, where aiohttp logs an ERROR with
+  a traceback for each (anyone could fill the log with them).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from serve.api.protocol import ApiError
 from serve.api.state import STATE_KEY
@@ -82,3 +86,20 @@ class ConnectionGuard:
         if transport not in self._started and not transport.is_closing():
             self.timed_out += 1
             transport.close()
+
+
+class ClientErrorLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger (AppRunner(logger=...)), with the client's parse errors
+    (HTTP 4xx) logged in one INFO line without a traceback; the rest as aiohttp logs it."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, {})
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError) and 400 <= exc_info.code < 500:
+            # aiohttp's message spans lines (the header, a caret under the bad byte).
+            detail = " ".join(str(exc_info.message).split()).removesuffix(" ^")
+            self.logger.info("%s: %d %s", msg % args if args else msg, exc_info.code, detail)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)

@@ -100,6 +100,40 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _encodable(text: str) -> int | None:
+    """None when `text` encodes as UTF-8, else the index of its first lone surrogate."""
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _check_text(body: dict[str, Any]) -> None:
+    """Every string in the body (names too) must be encodable text. JSON's \\ud800 escape
+    parses to a lone surrogate, which no tokenizer, template or UTF-8 writer accepts (the
+    prompt was a 500 from deep in the tokenizer): a 400 naming the field, on every path."""
+    if any(_encodable(name) is not None for name in body):
+        raise _bad(None, "a field name is not valid Unicode text (a lone surrogate)",
+                   "invalid_text")
+    todo: list[tuple[str, str, Any]] = [(name, name, value) for name, value in body.items()]
+    while todo:  # iterative: the body may nest as deep as the JSON parser allowed
+        field, path, value = todo.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                # The path goes into the error message: escape what cannot be encoded.
+                todo.append((field, f"{path}.{k.encode(errors='backslashreplace').decode()}",
+                             v))
+                todo.append((field, f"{path} (a name)", k))
+        elif isinstance(value, list):
+            todo.extend((field, f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str) and (at := _encodable(value)) is not None:
+            raise _bad(field, f"'{path}' is not valid Unicode text: a lone surrogate "
+                       f"(\\u{ord(value[at]):04x}) at character {at}", "invalid_text")
+
+
 def _refuse_unhonoured(body: dict[str, Any], honoured: frozenset[str]) -> None:
     for name, value in body.items():
         if name in honoured or value is None:
@@ -144,6 +178,7 @@ def _prompts(prompt: object) -> tuple[str | tuple[int, ...], ...]:
 
 def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
     """Validate a POST /v1/completions body."""
+    _check_text(body)
     _refuse_unhonoured(body, COMPLETION_FIELDS)
     if "prompt" not in body or body["prompt"] is None:
         raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
@@ -196,6 +231,7 @@ def _message_text(i: int, msg: dict[str, Any]) -> str:
 
 def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
     """Validate a POST /v1/chat/completions body."""
+    _check_text(body)
     _refuse_unhonoured(body, CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:

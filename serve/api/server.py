@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from serve.api.generate import dumps, handle_chat, handle_completions
-from serve.api.guard import ConnectionGuard, check_api_key
+from serve.api.guard import ClientErrorLog, ConnectionGuard, check_api_key
 from serve.api.openapi import openapi_spec
 from serve.api.protocol import ApiError
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
@@ -150,6 +150,7 @@ async def _metrics(request: web.Request) -> web.Response:
             log.exception("executor.stats() failed during a metrics scrape")
     state.metrics.refresh(stats, _gates(state))
     state.metrics.refresh_gc(PAUSES.totals())
+    state.metrics.refresh_grammar(state.grammar_stats())
     # generate_latest writes text format 0.0.4 (our names need no escaping); say so rather
     # than CONTENT_TYPE_LATEST, which is version=1.0.0 from prometheus_client 0.23 on.
     return web.Response(body=generate_latest(state.metrics.registry),
@@ -244,7 +245,8 @@ class HttpServerHandle:
             state = self.state
             runner = web.AppRunner(self.app, handle_signals=False, access_log=None,
                                    handler_cancellation=True, shutdown_timeout=1.0,
-                                   keepalive_timeout=state.keepalive_timeout)
+                                   keepalive_timeout=state.keepalive_timeout,
+                                   logger=ClientErrorLog(logging.getLogger("aiohttp.server")))
             loop.run_until_complete(runner.setup())
             assert runner.server is not None
             self.guard.attach(runner.server)

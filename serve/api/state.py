@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from runtime.grammar import GrammarCompiler
+from runtime.grammar import GrammarCompiler, GrammarConfig, GrammarStats
 from runtime.types import Executor
 from serve.api.choices import TokenTexts
 from serve.metrics import ServingMetrics
@@ -89,6 +89,7 @@ class ServerState:
     max_connections: int = 1024
     header_timeout: float = 10.0  # seconds for a new connection's first request header
     keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured-output bounds
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -139,8 +140,15 @@ class ServerState:
         with self._in_flight_lock:
             if self._grammar is None:
                 vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
-                self._grammar = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids())
+                self._grammar = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids(),
+                                                self.grammar)
             return self._grammar
+
+    def grammar_stats(self) -> GrammarStats | None:
+        """The compiler's cache and compiles, for /metrics (None before the first)."""
+        with self._in_flight_lock:
+            compiler = self._grammar
+        return compiler.stats() if compiler is not None else None
 
     def token_texts(self) -> TokenTexts:
         """token id -> text, for log-probabilities (cached across requests)."""

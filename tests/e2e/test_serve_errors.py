@@ -63,6 +63,13 @@ CASES: list[tuple[str, str, str, Body, int, str | None, str | None, tuple[str, .
     ("n-beyond-the-batch", "POST", C, _c(n=100), 400, "n", "unsupported_parameter", ("16",)),
     ("logit-bias-out-of-vocab", "POST", C, _c(logit_bias={"999999": 5}), 400, "logit_bias",
      None, ("999999",)),
+    # Lone surrogates (JSON's \ud800 escape): a TypeError in the tokenizer and a 500 before.
+    ("prompt-lone-surrogate", "POST", C, _c(prompt="hi \ud800"), 400, "prompt", "invalid_text",
+     ("'prompt'",)),
+    ("batch-lone-surrogate", "POST", C, _c(prompt=["ok", "\udfff"]), 400, "prompt",
+     "invalid_text", ("'prompt[1]'",)),
+    ("chat-lone-surrogate", "POST", CHAT, _chat(messages=[{"role": "user", "content": "hi \ud800"}]),
+     400, "messages", "invalid_text", ("'messages[0].content'",)),
     ("bad-json-schema", "POST", C, _c(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nope"}}}), 400, "response_format",
      None, ()),

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
 import torch
 
-from runtime.grammar import GrammarCompiler, GrammarError, GrammarState
+from runtime.grammar import (
+    GrammarCompiler,
+    GrammarConfig,
+    GrammarError,
+    GrammarState,
+    GrammarTimeout,
+)
 from runtime.logits import SeqSampling
 from runtime.sampler import Sampler, make_generator
 from runtime.types import GuidedSpec, SamplingParams
@@ -86,6 +93,69 @@ def test_compiled_grammars_are_cached_per_spec(tok) -> None:
     assert compiler.compile(spec) is compiler.compile(GuidedSpec("json_schema",
                                                                  json.dumps(SCHEMAS[0])))
     assert compiler.cache_size == 1
+
+
+def big_schema(n: int = 700, tag: str = "") -> str:
+    """Issue 37's red-team schema: n patterned strings (63 KB at 700), 300 required. Against
+    SmolLM2's vocabulary it compiled in 131.9 s; against the tiny test vocabulary in ~3 s."""
+    props = {f"f{i}": {"type": "string",
+                       "pattern": f"^[a-z]{{1,40}}@[a-z]{{1,30}}\\.(com|org|net{i}{tag})$"}
+             for i in range(n)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)[:300]})
+
+
+def test_a_compile_past_its_deadline_is_a_grammar_timeout_and_finishes_into_the_cache(
+        tok) -> None:
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    spec = GuidedSpec("json_schema", big_schema())
+    t0 = time.monotonic()
+    with pytest.raises(GrammarTimeout, match=r"0\.2 s"):
+        compiler.compile(spec, timeout=0.2)
+    assert time.monotonic() - t0 < 1.0
+    assert compiler.stats().in_flight == 1  # abandoned, running on, counted
+    deadline = time.monotonic() + 60
+    while compiler.stats().in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = compiler.stats()
+    assert stats.in_flight == 0 and stats.cache_entries == 1 and stats.cache_bytes > 1 << 20
+    t0 = time.monotonic()
+    compiler.compile(spec, timeout=0.2)  # the retry is a cache hit
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_compiles_run_on_a_bounded_pool_and_withdrawn_ones_never_run(tok) -> None:
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id],
+                               GrammarConfig(compile_workers=1))
+    slow = GuidedSpec("json_schema", big_schema(300))
+    with pytest.raises(GrammarTimeout):
+        compiler.compile(slow, timeout=0.05)  # runs on the one worker
+    queued = [GuidedSpec("regex", f"a{i}b") for i in range(5)]
+    for spec in queued:  # behind it: they time out, nobody waits, they are withdrawn
+        with pytest.raises(GrammarTimeout):
+            compiler.compile(spec, timeout=0.01)
+    assert compiler.stats().in_flight == 1
+    compiler.compile(GuidedSpec("regex", "x"))  # queued behind the slow one, then runs
+    stats = compiler.stats()
+    assert stats.in_flight == 0 and stats.compiled == 2  # the slow one and "x" only
+    assert compiler.compile(queued[0], timeout=10) is not None  # asked again: compiled now
+
+
+def test_the_cache_is_bounded_by_bytes_least_recently_used_first(tok) -> None:
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id],
+                               GrammarConfig(cache_bytes=2 << 20))
+    specs = [GuidedSpec("json_schema", big_schema(20, tag=f"x{k}")) for k in range(12)]
+    first = compiler.compile(specs[0])
+    for spec in specs[1:]:
+        compiler.compile(specs[0])  # kept recent
+        compiler.compile(spec)
+        stats = compiler.stats()
+        assert stats.cache_bytes <= 2 << 20
+        # xgrammar keeps no second, unbounded copy of its own
+        assert compiler._get_compiler()[0].get_cache_size_bytes() == 0
+    assert compiler.stats().cache_entries < len(specs)
+    assert compiler.compile(specs[0]) is first  # the recently used one survived
+    with pytest.raises(ValueError, match="positive"):
+        GrammarConfig(compile_timeout_s=0)
 
 
 @pytest.mark.parametrize(("spec", "words"), [

@@ -14,3 +14,18 @@ def test_the_prefill_cap_flag_is_parsed_and_checked() -> None:
                  ).max_prefill_tokens_while_decoding == 64
     with pytest.raises(ValueError, match="max-prefill-tokens-while-decoding must be >= 0"):
         parse(["--engine", "e", "--max-prefill-tokens-while-decoding", "-1"])
+
+
+def test_the_grammar_flags_are_parsed_and_checked() -> None:
+    """--grammar-compile-timeout, --grammar-compile-workers, --grammar-cache-mib."""
+    cfg = parse(["--engine", "e"])
+    assert (cfg.grammar_compile_timeout, cfg.grammar_compile_workers,
+            cfg.grammar_cache_mib) == (5.0, 2, 256)
+    cfg = parse(["--engine", "e", "--grammar-compile-timeout", "0.5",
+                 "--grammar-compile-workers", "1", "--grammar-cache-mib", "0"])
+    assert (cfg.grammar_compile_timeout, cfg.grammar_compile_workers,
+            cfg.grammar_cache_mib) == (0.5, 1, 0)
+    for flag, value in (("--grammar-compile-timeout", "0"), ("--grammar-compile-workers", "0"),
+                        ("--grammar-cache-mib", "-1")):
+        with pytest.raises(ValueError, match=flag):
+            parse(["--engine", "e", flag, value])

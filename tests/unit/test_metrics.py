@@ -123,6 +123,15 @@ EXPECTED = {
     "llmserve_gc_pause_seconds_total":
         ("counter", "Seconds the collections of each generation held the GIL.",
          ("generation",)),
+    "llmserve_grammar_cache_bytes":
+        ("gauge", "Bytes of compiled grammars kept in the cache.", ()),
+    "llmserve_grammar_cache_entries": ("gauge", "Compiled grammars kept in the cache.", ()),
+    "llmserve_grammar_compiles_in_flight":
+        ("gauge", "Grammar compiles queued or running, those whose requests timed out "
+         "included (they finish into the cache).", ()),
+    "llmserve_grammar_compile_timeouts_total":
+        ("counter", "Requests answered 400 because their grammar did not compile within "
+         "--grammar-compile-timeout.", ()),
 }
 
 
