@@ -23,6 +23,10 @@ TOKENIZER_FILES = (
 )
 
 
+# The golden run's log-probabilities over the fidelity text, left in the staging directory
+# for the build to compare with transformers (pipeline/fidelity.py), never in an engine.
+FIDELITY_FILE = ".fidelity.pt"
+
 # Our compiled CPU kernels (aoti engines on CPU), loaded before any rank's package.
 KERNELS_LIB = "kernels.so"
 

@@ -80,6 +80,9 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     quant: Quantization = NONE  # recorded only when the engine is quantized
     weight_layout: str = "rows"  # recorded only when not row-major (contract/layout.py)
+    # The engine against transformers float32 on a fixed text, beside transformers' own
+    # 16-bit figures (pipeline/fidelity.py); recorded only when measured or skipped.
+    fidelity: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_size(self) -> int:
@@ -112,6 +115,7 @@ class Manifest:
                 for f in self.files
             ],
             "golden": self.golden,
+            **({"fidelity": self.fidelity} if self.fidelity else {}),
         }
 
     @classmethod
@@ -152,6 +156,7 @@ class Manifest:
             toolchain={str(k): str(v) for k, v in d["toolchain"].items()},
             files=files,
             golden=dict(d.get("golden") or {}),
+            fidelity=dict(d.get("fidelity") or {}),
         )
 
 

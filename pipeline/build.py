@@ -251,6 +251,12 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
                 from pipeline.golden import compute_golden
 
                 golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
+        fidelity: dict = {}
+        if cfg.backend != "trtllm":
+            with clock("fidelity"), progress.stage("fidelity"):
+                from pipeline.fidelity import measure_fidelity
+
+                fidelity = measure_fidelity(tmp, src.local_dir, cfg.dtype, plan.quant.enabled)
         with clock("hash"):
             total = sum(p.stat().st_size for p in engine_files(tmp))
             with progress.stage("hash", total=total, unit="B") as st:
@@ -269,6 +275,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             golden=golden,
             quant=plan.quant,
             weight_layout=plan.weight_layout,
+            fidelity=fidelity,
         )
         with clock("commit"):
             write_manifest(tmp, manifest)

@@ -206,6 +206,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from contract.manifest import read_manifest
+    from pipeline.fidelity import describe as describe_fidelity
 
     m = read_manifest(args.engine_dir)
     if args.json:
@@ -226,6 +227,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         *[[k, str(v)] for k, v in m.profile.to_dict().items()],
         *[[k, v] for k, v in m.toolchain.items()],
         ["golden", ", ".join(f"{k}" for k in m.golden) or "-"],
+        ["fidelity", describe_fidelity(m.fidelity)],
     ]
     print("\n".join(_table(rows)))
     print("files")

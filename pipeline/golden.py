@@ -18,12 +18,13 @@ from runtime.mpi import child_env, mpi_session, mpirun_argv
 def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile: BuildProfile) -> dict[str, Any]:
     """Run the freshly built engine on every rank (under mpirun when tp > 1)."""
     if tp == 1:
-        record = run_local(engine_dir, backend, dtype, profile.tokens_per_block, Comm())
+        record = run_local(engine_dir, backend, dtype, profile.tokens_per_block, Comm(),
+                           profile.max_num_tokens)
         assert record is not None
         return record
     out = engine_dir / ".golden.json"
     cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.golden", str(engine_dir), backend,
-           dtype, str(profile.tokens_per_block), str(out)]
+           dtype, str(profile.tokens_per_block), str(out), str(profile.max_num_tokens)]
     with mpi_session(child_env()) as env:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out.exists():

@@ -7,7 +7,7 @@ that covers legitimate floating-point noise (thread counts, kernel choice) but n
 corrupted, truncated or swapped shard.
 
 Each rank of a TP>1 engine runs (pipeline/golden.py starts it at build time):
-    mpirun -n TP python -m runtime.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json
+    mpirun -n TP python -m runtime.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS
 """
 
 from __future__ import annotations
@@ -21,12 +21,23 @@ from typing import Any
 
 import torch
 
+from contract.layout import FIDELITY_FILE
 from runtime.comm import Comm, finish
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.runner import ModelRunner
 
 GOLDEN_PROMPT = "The capital of France is"
 GOLDEN_STEPS = 8
+# The build's fidelity text (pipeline/fidelity.py): the engine's log-probabilities of each
+# next token, against transformers float32 and its own 16-bit dtype on the same weights.
+FIDELITY_TEXT = (
+    "The Loire is the longest river in France. It rises in the Massif Central, flows north "
+    "towards Orleans, then turns west through Tours and Nantes before it reaches the Atlantic. "
+    "Its valley is known for its castles, its vineyards and its gardens, and a stretch of it "
+    "has been a World Heritage Site since 2000. In summer the river is shallow and slow; in "
+    "winter it can flood the towns along its banks."
+)
+FIDELITY_MAX_TOKENS = 128
 TOP_K = 5
 # Relative to the largest recorded |logit|: a wrong or corrupted shard moves logits by a large
 # fraction of their range; the legitimate noise between the build's run (a prefill, then one
@@ -192,16 +203,51 @@ def check_golden(record: dict[str, Any], observed: list[list[tuple[int, float]]]
                 f"{what}){flipped}")
 
 
+def fidelity_ids(engine_dir: Path, vocab_size: int, max_tokens: int) -> list[int]:
+    """FIDELITY_TEXT's token ids (at most max_tokens), or made-up ids without a tokenizer."""
+    n = min(FIDELITY_MAX_TOKENS, max_tokens)
+    try:
+        from runtime.tokenizer import FastTokenizer
+
+        ids = FastTokenizer(engine_dir).encode(FIDELITY_TEXT)
+        if len(ids) >= 2:
+            return list(ids)[:n]
+    except Exception:
+        pass
+    return [(31 * i + 7) % vocab_size for i in range(n)]
+
+
+def run_logprobs(runner: ModelRunner, ids: list[int],
+                 send: Callable[[StepPlan], None] | None = None) -> torch.Tensor:
+    """One prefill of `ids`; the float32 log-softmax of every position but the last
+    ([len(ids) - 1, vocab]: row i predicts ids[i + 1]). Uses KV blocks 1.., before admission."""
+    n, bs = len(ids), runner.block_size
+    blocks = list(range(1, (n + bs - 1) // bs + 1))
+    plan = StepPlan(0, new_seqs=[NewSeq(GOLDEN_SEQ_ID, list(ids))], scheduled=[
+        ScheduledSeq(GOLDEN_SEQ_ID, 0, n, blocks, True, prompt_logits=n - 1)])
+    if send:
+        send(plan)
+    _, logits = runner.execute(plan)
+    assert logits is not None
+    done = StepPlan(1, freed_seq_ids=[GOLDEN_SEQ_ID])
+    if send:
+        send(done)
+    runner.apply(done)
+    return torch.log_softmax(logits[1:n].float(), dim=-1)  # row 0 is the sampled last position
+
+
 def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
-              comm: Comm) -> dict[str, Any] | None:
-    """Run the golden prompt on this process's rank; returns the record on rank 0."""
+              comm: Comm, max_tokens: int = 0) -> dict[str, Any] | None:
+    """Run the golden prompt on this process's rank; returns the record on rank 0. With
+    `max_tokens` (the profile's token budget), also the fidelity text's log-probabilities,
+    saved as engine_dir/FIDELITY_FILE for the build to compare (pipeline/fidelity.py)."""
     from runtime.engine import worker_loop
     from runtime.executors.torch import runner_from_engine
     from runtime.models.parallel import TPContext
 
     comm.init_process_group("gloo")
     tp = TPContext(comm.rank, comm.size)
-    blocks = (64 + GOLDEN_STEPS) // block_size + 2
+    blocks = (max(64 + GOLDEN_STEPS, FIDELITY_MAX_TOKENS)) // block_size + 2
     # The build's own fresh output: no manifest yet (it records what this run computes).
     runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size)
     if comm.rank != 0:
@@ -209,6 +255,10 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
         return None
     prompt = golden_prompt_ids(engine_dir, cfg.vocab_size)[:64]
     tokens, tops = run_golden(runner, prompt, GOLDEN_STEPS, send=comm.send_plan)
+    if max_tokens >= 2:
+        ids = fidelity_ids(engine_dir, cfg.vocab_size, max_tokens)
+        logprobs = run_logprobs(runner, ids, send=comm.send_plan)
+        torch.save({"ids": ids, "logprobs": logprobs}, engine_dir / FIDELITY_FILE)
     if comm.size > 1:
         comm.send_plan(StepPlan(-1, shutdown=True))
     return {"prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt, "tokens": tokens,
@@ -217,12 +267,12 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
 
 def main(argv: list[str]) -> None:
     """One rank of the build's golden run under mpirun; rank 0 writes the record."""
-    engine_dir, backend, dtype, block_size, out = argv
+    engine_dir, backend, dtype, block_size, out, max_tokens = argv
     torch.set_num_threads(1)
     comm = Comm.from_mpi()
     code = 1
     try:
-        rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm)
+        rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm, int(max_tokens))
         if rec is not None:
             Path(out).write_text(json.dumps(rec))
         code = 0
@@ -232,4 +282,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:6])
+    main(sys.argv[1:7])
