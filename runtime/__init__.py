@@ -1,4 +1,6 @@
-"""What runs an engine (DESIGN §6): models, kernels, scheduler, sampler, ranks, engine files."""
+"""What runs an engine: models, kernels, scheduler, sampler, ranks, engine files.
+
+The layer above contract/ (docs/design.md §6)."""
 
 import os as _os
 

@@ -2,8 +2,8 @@
 
 Code reads `AOTLLM_*`, `AOT_LLM_CACHE` and `BENCH_HF_DIR` through these entries, never by a
 literal name, so this file is the whole list: docs/design.md §8 is its table
-(`python -m runtime.env` prints it; tests/unit/test_env.py checks the two agree and that
-the source names no variable missing here). contract/ reads no environment at all: what
+(`markdown_table()` writes it; tests/unit/test_env.py checks the two agree and that the
+source names no variable missing here). contract/ reads no environment at all: what
 it needs (the engine cache's root) comes from here, through its callers.
 
 Scopes: `user` is set by whoever runs a command; `test` injects faults or delays for the
@@ -161,7 +161,3 @@ def markdown_table() -> str:
         rows.append(f"| `{v.name}` | {v.kind} | {default} | {v.scope} | `{v.read_by}` "
                     f"| {v.meaning} |")
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(markdown_table())
