@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from runtime.env import BENCH_HF_DIR, cache_root
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 RESULTS = REPO / "bench" / "results"
@@ -18,8 +20,7 @@ RESULTS = REPO / "bench" / "results"
 
 def cache_dir() -> Path:
     """The folder outside the repo that holds the peers (see bench/peers.sh)."""
-    root = os.environ.get("AOT_LLM_CACHE") or str(Path.home() / ".cache" / "aot-llm")
-    return Path(root) / "peers"
+    return cache_root() / "peers"
 
 
 def llama_server_bin() -> Path:
@@ -38,7 +39,7 @@ def peer_status(name: str) -> str:
 
 def demo_checkpoint() -> Path:
     """The demo Hugging Face checkpoint: $BENCH_HF_DIR, else `python -m demo.model`."""
-    env = os.environ.get("BENCH_HF_DIR")
+    env = BENCH_HF_DIR.raw()
     if env:
         return Path(env)
     out = subprocess.run(

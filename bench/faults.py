@@ -46,8 +46,9 @@ from bench.job import Job, build_demo_engine, http, launch, metric
 from bench.soak import PROFILE
 from bench.traffic import send
 from bench.traffic_mix import Req, Result
+from runtime.env import INJECT_FAULT_AT_STEP
 
-FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"  # serve/backends/torch.py
+FAULT_ENV = INJECT_FAULT_AT_STEP.name
 
 
 @dataclass

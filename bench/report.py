@@ -80,10 +80,6 @@ def headline(res: dict[str, Any]) -> list[str]:
     return md_table(header, rows)
 
 
-def _verdict(met: bool, detail: str) -> str:
-    return f"{'met' if met else 'missed'} ({detail})"
-
-
 def _ratio_row(target: str, num: Any, den: Any, need: float, unit: str = "tok/s") -> list[str]:
     """[target, measured, verdict] for num / den >= need; n/a when either was not measured."""
     if not isinstance(num, (int, float)) or not isinstance(den, (int, float)) or not den:

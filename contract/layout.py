@@ -1,4 +1,4 @@
-"""The names of the files in an engine directory (DESIGN §3)."""
+"""The names of the files in an engine directory (docs/design.md §3)."""
 
 from __future__ import annotations
 

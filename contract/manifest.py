@@ -1,4 +1,4 @@
-"""The engine manifest (DESIGN section 3): what an engine is and the hash of every file in it.
+"""The engine manifest (docs/design.md §3): what an engine is and the hash of every file in it.
 
 The build writes it last, just before the engine directory is renamed into place; the server
 reads it first (gate 1) and checks every byte it loads against it (gate 5).

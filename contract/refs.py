@@ -17,10 +17,8 @@ id (a local cache) never needs invalidating.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from contract.layout import MANIFEST_NAME
@@ -34,15 +32,6 @@ TAG_SCHEMA = 1
 _ID = re.compile(rf"^[0-9a-f]{{{ENGINE_ID_HEX}}}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # model and tag names
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def default_cache() -> Path:
-    """Where pulled engines live, keyed like a store (`<model>/<engine-id>/`):
-    $AOT_LLM_CACHE/engines, or ~/.cache/aot-llm/engines. `pipeline pull` writes it and
-    `serve launch` reads (and fills) it."""
-    env = os.environ.get("AOT_LLM_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "aot-llm"
-    return root / "engines"
 
 
 def is_remote(text: str) -> bool:

@@ -258,8 +258,8 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from contract.refs import default_cache
     from pipeline.remote import describe_pull, pull
+    from runtime.engine_cache import default_cache
 
     result = pull(args.ref, args.cache or default_cache(), _progress())
     print(describe_pull(result))

@@ -22,6 +22,7 @@ from contract.errors import EXIT_FAILURE, BuildError
 from contract.layout import TOKENIZER_FILES
 from contract.manifest import CHUNK
 from pipeline.progress import Progress
+from runtime.env import cache_root  # $AOT_LLM_CACHE; build and compile/ import it from here
 
 # Files that make up a checkpoint's identity: weights, architecture, tokenizer, chat template.
 WEIGHT_GLOB = "*.safetensors"
@@ -45,12 +46,6 @@ class ResolvedSource:
     kind: str  # "local" | "hf" | "gguf"
     name: str  # the model name engines are stored under
     gguf_file: Path | None = None  # the .gguf itself (kind "gguf"): quantized blocks come from it
-
-
-def cache_root() -> Path:
-    """Where downloaded and dequantized checkpoints live ($AOT_LLM_CACHE or ~/.cache/aot-llm)."""
-    env = os.environ.get("AOT_LLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "aot-llm"
 
 
 def safe_name(text: str) -> str:

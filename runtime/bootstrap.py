@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.env import PEER_TIMEOUT, RENDEZVOUS, number
 from runtime.netif import InterfaceError, host_key, listen_candidates
 from runtime.wire import recv_exact
 
@@ -30,10 +31,10 @@ _RANK = struct.Struct("<I")
 NONCE = 32
 HANDSHAKE_TIMEOUT_S = 5.0
 CONNECT_TRY_S = 5.0  # per address of rank 0 a peer tries
-PEER_TIMEOUT_ENV = "AOTLLM_PEER_TIMEOUT_S"
+PEER_TIMEOUT_ENV = PEER_TIMEOUT.name
 # A peer that stops answering (its host powered off, a cable or a route gone) is declared
 # dead after this many seconds without an acknowledgement or a keepalive reply.
-PEER_TIMEOUT_S = float(os.environ.get(PEER_TIMEOUT_ENV, "4"))
+PEER_TIMEOUT_S = number(PEER_TIMEOUT)
 SILENT = "stopped answering"
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class PeerLost(ConnectionError):
     """A peer's control connection failed; the message names the rank and its host."""
 
 
-RENDEZVOUS_ENV = "AOTLLM_RENDEZVOUS"  # "mpi" forces MPI collectives for the bootstrap
+RENDEZVOUS_ENV = RENDEZVOUS.name  # "mpi" forces MPI collectives for the bootstrap
 LOOKUP_TIMEOUT_S = 120.0
 
 
@@ -120,7 +121,7 @@ def _rendezvous(world: Any, info: dict[str, Any] | None, one_host: bool) -> dict
     AOTLLM_RENDEZVOUS=mpi for a broadcast on an MPI without a name service)."""
     from mpi4py import MPI
 
-    if one_host or os.environ.get(RENDEZVOUS_ENV) == "mpi":
+    if one_host or RENDEZVOUS.raw() == "mpi":
         return world.bcast(info, root=0)
     job = os.environ.get("PMIX_NAMESPACE", "job")
     service = f"aotllm-bootstrap-{job}"

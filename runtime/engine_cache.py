@@ -17,8 +17,16 @@ from typing import Any
 
 from contract.layout import MANIFEST_NAME
 from contract.manifest import FileEntry, Manifest
+from runtime.env import cache_root
 
 log = logging.getLogger("runtime.engine_cache")
+
+
+def default_cache() -> Path:
+    """Where pulled engines live, keyed like a store (`<model>/<engine-id>/`):
+    $AOT_LLM_CACHE/engines, or ~/.cache/aot-llm/engines. `pipeline pull` writes it and
+    `serve launch` reads (and fills) it."""
+    return cache_root() / "engines"
 
 
 class EngineCache:

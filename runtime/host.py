@@ -6,17 +6,17 @@ The build records a Target (contract/target.py); the serve `compatible` gate ask
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
 
 from contract.target import ISA_LEVELS, Target, cpu_isa_level, normalize_sm
+from runtime.env import CPU_ISA, GPU_SM
 
 # A cap on the CPU ISA level this process uses (one of ISA_LEVELS): builds compile for it,
 # the compatible gate checks against it, and ATen and oneDNN are held to it (runtime/__init__
 # sets isa_env's variables before torch runs an op), so that every kernel path of a weaker
 # target is built and tested on a stronger host. Unset: the host's own level.
-ISA_ENV = "AOTLLM_CPU_ISA"
+ISA_ENV = CPU_ISA.name
 # What ATen (its vectorised kernels, and Inductor's code) and oneDNN are told for each level.
 _ATEN_CAPABILITY = {"baseline": "default", "avx2": "avx2", "avx512": "avx512",
                     "avx512_bf16": "avx512", "amx": "avx512"}
@@ -25,7 +25,7 @@ _ONEDNN_ISA = {"baseline": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE",
 
 # Only consulted when torch cannot query the GPU itself (a CPU-only torch beside TensorRT-LLM,
 # or the test suite's contract fake, which has no CUDA): the GPU's SM, e.g. sm_90 or 9.0.
-SM_ENV = "AOTLLM_GPU_SM"
+SM_ENV = GPU_SM.name
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -43,7 +43,7 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 def isa_cap() -> str | None:
     """The level AOTLLM_CPU_ISA caps this process at, or None; ValueError when unknown."""
-    raw = os.environ.get(ISA_ENV, "").strip()
+    raw = CPU_ISA.raw()
     if not raw:
         return None
     if raw not in ISA_LEVELS:
@@ -87,7 +87,7 @@ def gpu_sm() -> str | None:
     sm = cuda_sm()
     if sm is not None:
         return sm
-    raw = os.environ.get(SM_ENV)
+    raw = GPU_SM.raw()
     return normalize_sm(raw) if raw else None
 
 

@@ -16,7 +16,6 @@ import ctypes
 import hashlib
 import json
 import mmap
-import os
 import queue
 import struct
 import threading
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from runtime.env import THP, flag
 
 if TYPE_CHECKING:
     from runtime.objstore import ObjectStore
@@ -67,7 +68,7 @@ def host_buffer(size: int, pin: bool = False) -> torch.Tensor:
     it is backed by transparent huge pages where the kernel allows them (madvise mode):
     decode reads every weight once a step, and with 4 KiB pages a 100 MB model is 25,000
     TLB entries, walked again every step (in a VM, two-level walks)."""
-    if pin or size < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("AOTLLM_THP") == "0":
+    if pin or size < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE") or not flag(THP):
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
     # private: shared anonymous memory is shmem, which THP leaves alone (shmem_enabled)
     mm = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

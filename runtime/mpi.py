@@ -33,7 +33,9 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-MPIRUN_ENV = "AOTLLM_MPIRUN"
+from runtime.env import MPIRUN
+
+MPIRUN_ENV = MPIRUN.name
 # The base of the launching host's session directories: Open MPI 5 (PRRTE), Open MPI 4
 # (ORTE). "local": other hosts of a job keep their own default (this path may not exist
 # there). Each version ignores the other's variable.
@@ -103,7 +105,7 @@ def mpi4py_libmpi() -> Path | None:
 
 def find_mpirun(explicit: str | None = None) -> str:
     """The mpirun to start ranks with (see the module's docstring for the order)."""
-    chosen = explicit or os.environ.get(MPIRUN_ENV)
+    chosen = explicit or MPIRUN.raw()
     if chosen:
         exe = shutil.which(chosen)
         if exe is None:

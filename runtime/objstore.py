@@ -22,13 +22,14 @@ from typing import Any
 
 from contract.errors import EXIT_FAILURE, BuildError
 from contract.refs import is_remote, split_s3
+from runtime.env import STORE_DEADLINE, number
 
 Buffer = Any  # bytes-like (obstore's Bytes, memoryview): collections.abc.Buffer is 3.12+
 
 # How long one operation (with its retries) may take before the start gives up; a store
 # that goes away mid-read ends the read within about this long.
 DEFAULT_DEADLINE_S = 30.0
-DEADLINE_ENV = "AOTLLM_STORE_DEADLINE_S"
+DEADLINE_ENV = STORE_DEADLINE.name
 PART_BYTES = 8 << 20  # ranged reads of this size, several at once
 CONCURRENCY = 8
 
@@ -43,7 +44,7 @@ class StoreError(BuildError):
 
 def deadline_s() -> float:
     try:
-        return max(1.0, float(os.environ.get(DEADLINE_ENV, DEFAULT_DEADLINE_S)))
+        return max(1.0, number(STORE_DEADLINE))
     except ValueError:
         return DEFAULT_DEADLINE_S
 

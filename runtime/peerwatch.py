@@ -133,8 +133,3 @@ class PeerWatch:
                     return
 
         threading.Thread(target=run, name="peer-watch", daemon=True).start()
-
-    def watch_peers(self, on_failure: Callable[[str], None]) -> None:
-        """Rank 0, after start-up: a thread that reports the first worker to disconnect."""
-        if self.rank == 0:
-            self.watch(on_failure)

@@ -17,7 +17,6 @@ from contract.errors import BuildError
 from contract.layout import QHEAD_LAYOUTS, QPANEL_LAYOUTS
 from contract.quant import PACK, SCHEMES, Quantization, QuantSpec
 
-SUFFIXES = ("qweight", "scales", "mins")
 FP16_MAX = 65504.0
 
 

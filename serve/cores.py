@@ -19,8 +19,10 @@ import json
 import os
 from pathlib import Path
 
-KEEP_BINDING_ENV = "AOTLLM_KEEP_BINDING"
-BINDING_ENV = "AOTLLM_BINDING"  # what the supervisor changed, for the worker to report
+from runtime.env import BINDING, KEEP_BINDING, flag
+
+KEEP_BINDING_ENV = KEEP_BINDING.name
+BINDING_ENV = BINDING.name  # what the supervisor changed, for the worker to report
 
 
 def _parent(pid: int) -> int | None:
@@ -59,7 +61,7 @@ def rank_share(host: set[int], local_rank: int, local_size: int) -> set[int]:
 def widen_binding(local_rank: int, local_size: int) -> dict[str, object] | None:
     """Take this rank's share of its launcher's cores when it was bound to fewer (every
     thread of this process moves: on Linux the mask is per thread); the change, or None."""
-    if not hasattr(os, "sched_setaffinity") or os.environ.get(KEEP_BINDING_ENV) == "1":
+    if not hasattr(os, "sched_setaffinity") or flag(KEEP_BINDING):
         return None
     own, host = os.sched_getaffinity(0), launcher_cores()
     share = rank_share(host, local_rank, local_size)
@@ -86,7 +88,7 @@ def widen_for_worker(env: dict[str, str]) -> None:
 
 def binding_change() -> dict[str, object] | None:
     """In the worker: what its supervisor changed, if anything."""
-    raw = os.environ.get(BINDING_ENV)
+    raw = BINDING.raw()
     return json.loads(raw) if raw else None
 
 

@@ -7,7 +7,6 @@ then reports it, every rank exits non-zero, and nobody takes traffic.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.errors import BuildError
+from runtime.env import LAUNCH_TIME
 
 GATE_NAMES = (
     "resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
@@ -58,7 +58,7 @@ class GateLog:
     def __init__(self, t0: float | None = None) -> None:
         # Times count from the launch (the supervisor records it) when known, so the
         # timeline includes interpreter start-up and MPI bootstrap, not only the gates.
-        launched = os.environ.get("AOTLLM_LAUNCH_TIME")
+        launched = LAUNCH_TIME.raw()
         if t0 is None and launched:
             t0 = time.perf_counter() - max(0.0, time.time() - float(launched))
         self.t0 = time.perf_counter() if t0 is None else t0

@@ -14,15 +14,16 @@ reports the totals, so a regression shows as numbers, not as a mysterious ITL p9
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.env import GC_FREEZE, flag
+
 GENERATIONS = (0, 1, 2)
 # "0" leaves the heap unfrozen (an escape hatch, and the A/B of the bench's measurement).
-FREEZE_ENV = "AOTLLM_GC_FREEZE"
+FREEZE_ENV = GC_FREEZE.name
 
 
 @dataclass
@@ -81,14 +82,14 @@ def hold_collector() -> None:
     oldest generation's share grows by a quarter the collector walks all of it: measured two
     full collections, 145 ms of a Q4_0 engine's cold start. What start-up leaves as cyclic
     garbage (66 objects on that engine) is frozen with the rest."""
-    if os.environ.get(FREEZE_ENV, "1") != "0":
+    if flag(GC_FREEZE):
         gc.disable()
 
 
 def freeze_heap() -> dict[str, Any]:
     """At admission: freeze everything start-up left (no collection walks it again) and let
     the collector run for what requests allocate. Returns the gate's evidence."""
-    if os.environ.get(FREEZE_ENV, "1") == "0":
+    if not flag(GC_FREEZE):
         return {"gc_frozen_objects": 0, "gc_freeze": f"off ({FREEZE_ENV}=0)"}
     gc.freeze()
     gc.enable()

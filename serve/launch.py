@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-API_KEY_ENV = "AOTLLM_API_KEY"
+from runtime.env import API_KEY
+
+API_KEY_ENV = API_KEY.name
 EXIT_DRAIN_CUT = 3  # the drain's deadline cut requests off (0: every request completed)
 CPU_KV_FRACTION = 0.05
 GPU_KV_FRACTION = 0.9
@@ -184,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> LaunchConfig:
     ns = parser().parse_args(argv)
     if ns.engine_cache is None:
-        from contract.refs import default_cache
+        from runtime.engine_cache import default_cache
 
         cache: Path | None = default_cache()
     else:
@@ -194,7 +195,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
-        api_key=ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV),
+        api_key=ns.api_key if ns.api_key is not None else API_KEY.raw(),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,
         header_timeout=ns.header_timeout, engine_cache=cache, store_deadline=ns.store_deadline,
         grammar_compile_timeout=ns.grammar_compile_timeout,

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from contract.errors import BuildError
 from runtime.engine_source import engine_tp
+from runtime.env import API_KEY
 from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpi_session, mpirun_argv
 from serve.launch import LaunchConfig
 
@@ -44,11 +45,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 15.0  # beyond --drain-timeout: cutting requests, closing HTTP, finalizing MPI
 KILL_WAIT_S = 5.0
 LINGER_S = 5.0  # mpirun alive this long after this host's ranks all exited: stop it
-# Forwarded to the ranks of other hosts (mpirun -x); not AOTLLM_API_KEY, which only rank 0
+# Forwarded to the ranks of other hosts (mpirun -x); not the API key, which only rank 0
 # (on this host) reads.
 FORWARD_PREFIXES = ("AOTLLM_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "HF_")
 FORWARD_NAMES = ("PYTHONPATH",)
-NOT_FORWARDED = ("AOTLLM_API_KEY",)
+NOT_FORWARDED = (API_KEY.name,)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from contract.manifest import Manifest
 from runtime.comm import Comm
 from runtime.engine_files import EngineFiles
 from runtime.engine_source import EngineSource, Pinned, StoreSource, open_source
+from runtime.env import INJECT_GATE_DELAY
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
@@ -33,7 +33,7 @@ log = logging.getLogger("serve")
 # Fault injection for tests: "GATE:SECONDS[,GATE:SECONDS...]" holds every rank at the start
 # of those gates (a stop signal ends a hold), so a signal or a probe lands while start-up is
 # certainly in progress however fast the gates are.
-GATE_DELAY_ENV = "AOTLLM_INJECT_GATE_DELAY"
+GATE_DELAY_ENV = INJECT_GATE_DELAY.name
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
          "warmup")
@@ -66,7 +66,7 @@ class Startup:
         return self.comm.rank
 
     def _injected_delay(self, name: str) -> None:
-        holds = dict(h.partition(":")[::2] for h in os.environ.get(GATE_DELAY_ENV, "").split(","))
+        holds = dict(h.partition(":")[::2] for h in (INJECT_GATE_DELAY.raw() or "").split(","))
         if name not in holds:
             return
         t_end = time.monotonic() + float(holds[name] or 0)

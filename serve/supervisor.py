@@ -23,12 +23,13 @@ import sys
 import time
 
 from runtime.bootstrap import mpi_bootstrap
+from runtime.env import BOOT_SOCK, LAUNCH_TIME, PARENT_FD
 from runtime.netif import InterfaceError
 from serve.cores import widen_for_worker
 
-PARENT_FD_ENV = "AOTLLM_PARENT_FD"
-BOOT_SOCK_ENV = "AOTLLM_BOOT_SOCK"
-LAUNCH_TIME_ENV = "AOTLLM_LAUNCH_TIME"
+PARENT_FD_ENV = PARENT_FD.name
+BOOT_SOCK_ENV = BOOT_SOCK.name
+LAUNCH_TIME_ENV = LAUNCH_TIME.name
 ORPHAN_POLL_S = 0.5
 
 

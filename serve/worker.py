@@ -23,11 +23,12 @@ from typing import Any
 from runtime.bootstrap import Bootstrap, Listeners
 from runtime.comm import Comm
 from runtime.engine_files import close_all
+from runtime.env import BOOT_SOCK, PARENT_FD
 from serve.cores import pin_compute_thread
 from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
 from serve.launch import LaunchConfig, parse
-from serve.supervisor import BOOT_SOCK_ENV, PARENT_FD_ENV, receive_bootstrap
+from serve.supervisor import receive_bootstrap
 from serve.threads import thread_plan
 
 log = logging.getLogger("serve")
@@ -45,7 +46,7 @@ class Lifecycle:
         self.on_peer_failure: Callable[[str], None] = self._peer_failed_starting
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.drain.set())
-        fd = os.environ.get(PARENT_FD_ENV)
+        fd = PARENT_FD.raw()
         if fd is not None:
             threading.Thread(target=self._watch_parent, args=(int(fd),), daemon=True).start()
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     boot, listeners = None, None
-    boot_fd = os.environ.get(BOOT_SOCK_ENV)  # under the supervisor (mpirun); else one rank
+    boot_fd = BOOT_SOCK.raw()  # under the supervisor (mpirun); else one rank
     if boot_fd is not None:
         try:
             boot_json, plans = receive_bootstrap(int(boot_fd))

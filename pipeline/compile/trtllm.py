@@ -31,6 +31,7 @@ from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from pipeline.progress import Progress
 from runtime.checkpoint import read_model_config, write_engine_model_config
+from runtime.env import GOLDEN_TIMEOUT
 from runtime.executors.trtllm_setup import import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
 
@@ -38,7 +39,7 @@ TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before 
 # The golden run: a few greedy tokens after constructing the Executor (engine deserialization
 # and KV-cache allocation are most of it). A hang there (a rank that never joins, an MPI
 # launch that never starts) must not hang the build.
-GOLDEN_TIMEOUT_ENV = "AOTLLM_GOLDEN_TIMEOUT_S"
+GOLDEN_TIMEOUT_ENV = GOLDEN_TIMEOUT.name
 GOLDEN_TIMEOUT_S = 900.0
 GOLDEN_KILL_GRACE_S = 10.0  # after SIGTERM (mpirun forwards it to its ranks), then SIGKILL
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -212,7 +213,7 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
 
 def golden_timeout_s() -> float:
     """Seconds the golden run may take: AOTLLM_GOLDEN_TIMEOUT_S, else GOLDEN_TIMEOUT_S."""
-    raw = os.environ.get(GOLDEN_TIMEOUT_ENV)
+    raw = GOLDEN_TIMEOUT.raw()
     try:
         value = float(raw) if raw else GOLDEN_TIMEOUT_S
     except ValueError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ from runtime import kernels
 from runtime.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.engine import LLMEngine, worker_loop
 from runtime.engine_source import StoreSource
+from runtime.env import INJECT_FAULT_AT_STEP
 from runtime.executors.torch import allocate_kv_cache, make_step_fn, package_files
 from runtime.golden import check_golden, run_golden, run_golden_forced
 from runtime.host import host_matches
@@ -41,7 +41,7 @@ log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
 TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
-FAULT_ENV = "AOTLLM_INJECT_FAULT_AT_STEP"
+FAULT_ENV = INJECT_FAULT_AT_STEP.name
 
 
 class TorchBackend(Backend):
@@ -313,7 +313,7 @@ class TorchBackend(Backend):
         engine = self.engine
         assert engine is not None
         try:
-            fault_at = os.environ.get(FAULT_ENV)
+            fault_at = INJECT_FAULT_AT_STEP.raw()
             if fault_at is not None and engine.stats().steps_total >= int(fault_at):
                 raise RuntimeError(f"fault injected at step {fault_at} ({FAULT_ENV})")
             ran = engine.step()

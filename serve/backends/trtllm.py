@@ -1,4 +1,4 @@
-"""TensorRT-LLM engines (DESIGN §4): the same gates, TensorRT-LLM's Executor underneath.
+"""TensorRT-LLM engines (docs/design.md §4): the same gates, TensorRT-LLM's Executor underneath.
 
 TensorRT-LLM's Executor reads the engine itself and sizes its own KV cache, so: `load`
 reads and hashes the rank's plan (TensorRT-LLM re-reads it from the page cache),

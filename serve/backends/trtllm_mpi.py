@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.comm import Comm
+from runtime.env import MPIRUN
 from runtime.executors.trtllm_setup import trtllm_mpi_world
 from runtime.mpi import MPIRUN_ENV, loaded_libmpi, mpi_library_version, mpirun_of
 from serve.gates import GateFailure
@@ -33,7 +34,7 @@ def check_mpi_world(rank_ours: int, size_ours: int, mpirun: str | None, engine: 
     version = mpi_library_version()
     library = " ".join(filter(None, (str(lib) if lib else None,
                                      f"({version})" if version else None))) or "unknown"
-    launcher = mpirun or os.environ.get(MPIRUN_ENV) or _launcher_of_this_job()
+    launcher = mpirun or MPIRUN.raw() or _launcher_of_this_job()
     own = mpirun_of(lib) if lib is not None else None
     use = (f"start the job with the mpirun of that library: serve launch --mpirun {own} "
            f"--engine {engine} (or {MPIRUN_ENV}={own}, or `{own} -n "
