@@ -12,6 +12,7 @@ Each rank of a TP>1 engine runs (pipeline/golden.py starts it at build time):
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import traceback
@@ -258,7 +259,11 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
     if max_tokens >= 2:
         ids = fidelity_ids(engine_dir, cfg.vocab_size, max_tokens)
         logprobs = run_logprobs(runner, ids, send=comm.send_plan)
-        torch.save({"ids": ids, "logprobs": logprobs}, engine_dir / FIDELITY_FILE)
+        # Serialized in memory, written as plain bytes: a full disk is then the OSError
+        # (ENOSPC) the build reports as such, not torch's zip writer's RuntimeError.
+        buf = io.BytesIO()
+        torch.save({"ids": ids, "logprobs": logprobs}, buf)
+        (engine_dir / FIDELITY_FILE).write_bytes(buf.getbuffer())
     if comm.size > 1:
         comm.send_plan(StepPlan(-1, shutdown=True))
     return {"prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt, "tokens": tokens,
