@@ -257,11 +257,16 @@ def parse_responses_request(body: dict[str, Any]) -> tuple[ResponsesRequest, Gen
     try:
         return resp, parse_chat_request(resp.chat)
     except ApiError as exc:
-        if exc.param in _PARAMS:
-            name = _PARAMS[exc.param]
-            exc.message = exc.message.replace(f"'{exc.param}'", f"'{name}'")
-            exc.param = name
-        raise
+        raise _renamed(exc) from None
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    """A chat-side error naming the Responses field instead (max_tokens: max_output_tokens)."""
+    if exc.param in _PARAMS:
+        name = _PARAMS[exc.param]
+        exc.message = exc.message.replace(f"'{exc.param}'", f"'{name}'")
+        exc.param = name
+    return exc
 
 
 # ---- the answer ---------------------------------------------------------------------------
@@ -334,7 +339,10 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
             return await _stream(request, run, parsed[0])
         return await _complete(run, parsed[0])
 
-    return await serve_generation(request, parse, respond)
+    try:
+        return await serve_generation(request, parse, respond)
+    except ApiError as exc:  # the context length, the engine's refusals: chat field names
+        raise _renamed(exc) from None
 
 
 async def _complete(run: Run, resp: ResponsesRequest) -> web.Response:
