@@ -15,8 +15,9 @@ thinking block in the prompt:
 Whatever the format, a prompt that ends with the start marker (the template opened the
 block) starts the output inside the thinking. The split works on streamed text deltas:
 text that could be the start of a marker is held back until the next delta decides it, so
-a marker split over several tokens ("<th", "ink>") never leaks into either field. Leading
-whitespace of each part and the thinking's trailing whitespace are dropped, as SGLang does.
+a marker split over several tokens ("<th", "ink>") never leaks into either field. The
+whitespace around the markers is dropped, as SGLang does; an output with no thinking
+comes back as it was generated.
 NOTE: the markers must survive detokenization: a model whose `<think>` is a *special* token
 (skipped when decoding) cannot be split this way.
 """
