@@ -43,6 +43,8 @@ class LaunchConfig:
     grammar_compile_timeout: float = 5.0
     grammar_compile_workers: int = 2
     grammar_cache_mib: int = 256
+    # Chat output split into reasoning_content and content (serve/api/reasoning.py's formats)
+    reasoning_parser: str | None = None
     engine_cache: Path | None = None  # None: engines from a store are read, not cached
     store_deadline: float = 30.0
     mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
@@ -88,6 +90,10 @@ class LaunchConfig:
                              f"{self.grammar_compile_workers}")
         if self.grammar_cache_mib < 0:
             raise ValueError(f"--grammar-cache-mib must be >= 0, got {self.grammar_cache_mib}")
+        if self.reasoning_parser is not None:
+            from serve.api.reasoning import reasoning_format
+
+            reasoning_format(self.reasoning_parser)  # ValueError naming the known ones
         if self.hosts is not None and self.hostfile is not None:
             raise ValueError("give either --hosts or --hostfile, not both")
         if self.comm_iface is not None and not self.comm_iface.strip():
@@ -157,6 +163,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grammar-cache-mib", type=int, default=256, metavar="MIB",
                    help="compiled grammars kept, least recently used dropped first "
                    "(default 256 MiB; 0 keeps none)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a thinking model's chat output into reasoning_content (the "
+                        "thinking) and content (the answer): deepseek_r1, qwen3 (<think>...</think>) "
+                        "or mistral ([THINK]...[/THINK]); default: no split")
     p.add_argument("--mpirun", default=None,
                    help="the mpirun `serve launch` starts when run on its own (default: "
                    "$AOTLLM_MPIRUN, else the mpirun of the MPI library mpi4py loads, else the "
@@ -200,7 +210,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         header_timeout=ns.header_timeout, engine_cache=cache, store_deadline=ns.store_deadline,
         grammar_compile_timeout=ns.grammar_compile_timeout,
         grammar_compile_workers=ns.grammar_compile_workers,
-        grammar_cache_mib=ns.grammar_cache_mib,
+        grammar_cache_mib=ns.grammar_cache_mib, reasoning_parser=ns.reasoning_parser,
         mpirun=ns.mpirun, comm_iface=ns.comm_iface,
         hosts=ns.hosts, hostfile=ns.hostfile, mpirun_args=tuple(ns.mpirun_args),
     )

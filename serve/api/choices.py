@@ -20,6 +20,7 @@ from typing import Any
 
 from runtime.types import TokenLogprob
 from serve.api.detok import OutputText
+from serve.api.reasoning import ReasoningSplitter
 
 MIN_LOGPROB = -9999.0
 
@@ -111,6 +112,7 @@ class Choice:
         self.finish: str | None = None
         self.num_tokens = 0
         self.cumulative_logprob: float | None = None
+        self.reasoning: ReasoningSplitter | None = None  # --reasoning-parser (chat)
 
     @property
     def text(self) -> str:

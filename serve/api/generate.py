@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -74,15 +75,24 @@ def unavailable(state: ServerState) -> ApiError:
                     headers={"Retry-After": _RETRY_AFTER[phase]})
 
 
+# A parsed request's answer: JSON or a stream, from the Run once submitted.
+Respond = Callable[[web.Request, Run], Awaitable[web.StreamResponse]]
+Parse = Callable[[dict[str, Any]], GenerationRequest]
+
+
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "completion")
+    return await serve_generation(request, parse_completion_request)
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "chat")
+    return await serve_generation(request, parse_chat_request)
 
 
-async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+async def serve_generation(request: web.Request, parse: Parse,
+                           respond: Respond | None = None) -> web.StreamResponse:
+    """Parse the body into a request, run it, and answer with `respond` (default: the
+    completion or chat JSON, or its chunks with stream: true). Other APIs (responses.py)
+    translate their body to a chat request in `parse` and their answer in `respond`."""
     state = request.app[STATE_KEY]
     tasks = request.app[TASKS_KEY]
     task = asyncio.current_task()
@@ -90,7 +100,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if task is not None:
         tasks.add(task)
     try:
-        return await _generate(request, state, kind, time.perf_counter())
+        return await _generate(request, state, parse, respond, time.perf_counter())
     finally:
         if task is not None:
             tasks.discard(task)
@@ -149,10 +159,9 @@ _PARAM_NAMES = {"prompt_logprobs": "echo", "guided": "response_format",
                 "num_sequences": "n"}
 
 
-async def _generate(request: web.Request, state: ServerState, kind: str,
-                    arrival: float) -> web.StreamResponse:
-    body = parse_json_body(await read_body(request, state.max_body_bytes))
-    req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+async def _generate(request: web.Request, state: ServerState, parse: Parse,
+                    respond: Respond | None, arrival: float) -> web.StreamResponse:
+    req = parse(parse_json_body(await read_body(request, state.max_body_bytes)))
     if req.model is not None and req.model != state.model_name:
         raise ApiError(404, f"the model '{req.model}' does not exist; this server serves "
                        f"'{state.model_name}'", type="invalid_request_error", param="model",
@@ -193,6 +202,8 @@ async def _generate(request: web.Request, state: ServerState, kind: str,
             except ValueError as exc:
                 raise ApiError(400, f"the engine rejected the request: {exc}") from None
             sub.live = params.num_sequences
+        if respond is not None:
+            return await respond(request, run)
         if req.stream:
             return await _stream(request, run)
         return await _complete(run)
@@ -220,6 +231,9 @@ async def _next(run: Run) -> Any:
             _cancel(executor, sub.request_id)
             sub.live, sub.cancelled = 0, True
     return update
+
+
+next_update = _next  # the same for other answer formats (responses.py)
 
 
 async def _complete(run: Run) -> web.Response:

@@ -105,6 +105,69 @@ _CHAT_REQUEST = {
                        "properties": {"role": {"enum": ["system", "developer", "user",
                                                         "assistant", "tool"]},
                                       "content": {"type": "string"}}}}}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+_RESPONSES_REQUEST = {
+    "type": "object", "required": ["input"], "additionalProperties": False,
+    "description": "OpenAI's Responses API, stateless: run as a chat completion",
+    "properties": {
+        "model": _SAMPLING["model"], "temperature": _SAMPLING["temperature"],
+        "top_p": _SAMPLING["top_p"], "stream": _SAMPLING["stream"], "user": _SAMPLING["user"],
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
+            "anyOf": [
+                {"type": "object", "required": ["role", "content"], "properties": {
+                    "type": {"enum": ["message"]},
+                    "role": {"enum": ["user", "assistant", "system", "developer"]},
+                    "content": {"anyOf": [{"type": "string"},
+                                          {"type": "array", "items": _TEXT_PART}]}}},
+                {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+                 "properties": {"type": {"enum": ["function_call"]},
+                                "call_id": {"type": "string", "minLength": 1},
+                                "name": {"type": "string", "minLength": 1},
+                                "arguments": {"type": "string"}}},
+                {"type": "object", "required": ["type", "call_id", "output"],
+                 "properties": {"type": {"enum": ["function_call_output"]},
+                                "call_id": {"type": "string", "minLength": 1},
+                                "output": {"type": "string"}}}]}}]},
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": _TOKENS,
+        "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                           "properties": {"include_obfuscation": {"type": "boolean"}}},
+        "tools": {"type": ["array", "null"], "items": {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"enum": ["function"]}, "name": {"type": "string", "minLength": 1},
+                "description": {"type": ["string", "null"]},
+                "parameters": {"type": ["object", "null"]},
+                "strict": {"type": ["boolean", "null"]}}}},
+        "tool_choice": {"anyOf": [
+            {"enum": ["none", "auto", "required", None]},
+            {"type": "object", "required": ["type", "name"], "properties": {
+                "type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "text": {"type": ["object", "null"], "properties": {"format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "schema"], "properties": {
+                "type": {"enum": ["json_schema"]}, "name": {"type": "string"},
+                "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}]}}},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        "store": {"enum": [False, None],
+                  "description": "nothing is stored: true is a 400 (so is previous_response_id)"},
+        "safety_identifier": {"type": ["string", "null"]},
+        "prompt_cache_key": {"type": ["string", "null"]}}}
+_TOKENIZE_REQUEST = {
+    "type": "object", "additionalProperties": False,
+    "description": "vLLM's /tokenize: a prompt, or chat messages through the chat template",
+    "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+    "properties": {"model": _SAMPLING["model"], "prompt": {"type": "string"},
+                   "messages": _CHAT_REQUEST["properties"]["messages"],
+                   "add_special_tokens": {"type": ["boolean", "null"]},
+                   "add_generation_prompt": {"type": ["boolean", "null"]},
+                   "return_token_strs": {"type": ["boolean", "null"]}}}
+_DETOKENIZE_REQUEST = {
+    "type": "object", "required": ["tokens"], "additionalProperties": False,
+    "properties": {"model": _SAMPLING["model"],
+                   "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 _USAGE = {"type": "object", "properties": {
     **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
     "prompt_tokens_details": {"type": "object", "properties": {
@@ -136,6 +199,29 @@ def _generate(request: str, summary: str) -> dict[str, Any]:
                       **_errors(400, 401, 404, 413, 429, 500, 503)}}}
 
 
+def _post(request: str, summary: str, answer: dict[str, Any], stream: bool = False
+          ) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": answer}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{request}"}}}},
+        "responses": {"200": {"description": "OK", "content": content},
+                      **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+
+
+_RESPONSE = {"type": "object", "required": ["id", "object", "output"], "properties": {
+    "id": {"type": "string"}, "object": {"enum": ["response"]}, "output": {"type": "array"}}}
+_TOKENS_OUT = {"type": "object", "required": ["count", "max_model_len", "tokens"],
+               "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                              "tokens": {"type": "array", "items": {"type": "integer"}},
+                              "token_strs": {"type": ["array", "null"]}}}
+_TEXT_OUT = {"type": "object", "required": ["prompt"],
+             "properties": {"prompt": {"type": "string"}}}
+
+
 def openapi_spec(state: ServerState) -> dict[str, Any]:
     get_json = {"get": {"responses": {"200": _json({"type": "object"}), **_errors(401, 404)}}}
     spec: dict[str, Any] = {
@@ -145,6 +231,11 @@ def openapi_spec(state: ServerState) -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generate("CompletionRequest", "text completion"),
             "/v1/chat/completions": _generate("ChatRequest", "chat completion"),
+            "/v1/responses": _post("ResponsesRequest", "OpenAI Responses API (stateless)",
+                                   _RESPONSE, stream=True),
+            "/tokenize": _post("TokenizeRequest", "text or messages -> token ids",
+                               _TOKENS_OUT),
+            "/detokenize": _post("DetokenizeRequest", "token ids -> text", _TEXT_OUT),
             "/v1/models": get_json,
             "/v1/models/{model}": {"get": {
                 "parameters": [{"name": "model", "in": "path", "required": True,
@@ -160,12 +251,15 @@ def openapi_spec(state: ServerState) -> dict[str, Any]:
                 "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
         "components": {"schemas": {"Error": _ERROR, "CompletionRequest": _COMPLETION_REQUEST,
-                                   "ChatRequest": _CHAT_REQUEST}},
+                                   "ChatRequest": _CHAT_REQUEST,
+                                   "ResponsesRequest": _RESPONSES_REQUEST,
+                                   "TokenizeRequest": _TOKENIZE_REQUEST,
+                                   "DetokenizeRequest": _DETOKENIZE_REQUEST}},
     }
     if state.api_key is not None:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in spec["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith(("/v1/", "/tokenize", "/detokenize")):
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     return spec

@@ -23,6 +23,12 @@ from runtime.types import SamplingParams, TokenEvent, TokenLogprob
 from serve.api.choices import ChatLogprobs, Choice, CompletionLogprobs, TokenTexts
 from serve.api.detok import OutputText
 from serve.api.protocol import ApiError, GenerationRequest
+from serve.api.reasoning import (
+    ReasoningSplitter,
+    reasoning_delta,
+    reasoning_message,
+    reasoning_opened,
+)
 from serve.api.state import ServerState
 
 
@@ -80,6 +86,10 @@ class Run:
                 given = req.prompts[p]
                 text = given if isinstance(given, str) else state.tokenizer.decode(
                     ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if req.kind == "chat" and state.reasoning is not None:
+                opened = reasoning_opened(state.reasoning, state.tokenizer, ids)
+                for c in choices:
+                    c.reasoning = ReasoningSplitter(state.reasoning, opened)
             rid = self.request_id if single else f"{self.request_id}-{p}"
             self.subs.append(_Sub(rid, ids, text, choices, live=0))  # live once submitted
 
@@ -218,7 +228,9 @@ class Run:
         lps = None if first else self._logprobs(choice)
         if self.req.kind == "chat":
             delta: dict[str, str] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if choice.reasoning is not None and not first:
+                delta.update(reasoning_delta(choice.reasoning, text, finish))
+            elif text is not None:
                 delta["content"] = text
             return {"index": choice.index, "delta": delta, "logprobs": lps,
                     "finish_reason": finish}
@@ -228,8 +240,10 @@ class Run:
     def final_choice(self, choice: Choice) -> dict[str, Any]:
         lps = self._logprobs(choice)
         if self.req.kind == "chat":
-            return {"index": choice.index, "message": {"role": "assistant",
-                                                       "content": choice.text},
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.reasoning is not None:
+                message.update(reasoning_message(choice.reasoning, choice.text))
+            return {"index": choice.index, "message": message,
                     "logprobs": lps, "finish_reason": choice.finish}
         return {"index": choice.index, "text": choice.text, "logprobs": lps,
                 "finish_reason": choice.finish}

@@ -25,7 +25,9 @@ from serve.api.generate import dumps, handle_chat, handle_completions
 from serve.api.guard import ClientErrorLog, ConnectionGuard, check_api_key
 from serve.api.openapi import openapi_spec
 from serve.api.protocol import ApiError
+from serve.api.responses import handle_responses
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
+from serve.api.tokenize import handle_detokenize, handle_tokenize
 from serve.gcpolicy import PAUSES
 
 log = logging.getLogger(__name__)
@@ -170,6 +172,9 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models/{model}", _model)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/responses", handle_responses)
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     return app

@@ -18,6 +18,7 @@ from aiohttp import web
 from runtime.grammar import GrammarCompiler, GrammarConfig, GrammarStats
 from runtime.types import Executor
 from serve.api.choices import TokenTexts
+from serve.api.reasoning import reasoning_format
 from serve.metrics import ServingMetrics
 
 Phase = Literal["starting", "ready", "draining", "failed"]
@@ -90,6 +91,7 @@ class ServerState:
     header_timeout: float = 10.0  # seconds for a new connection's first request header
     keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured-output bounds
+    reasoning_parser: str | None = None  # --reasoning-parser: serve/api/reasoning.py's FORMATS
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -111,6 +113,8 @@ class ServerState:
         self._in_flight_lock = threading.Lock()
         self._grammar: GrammarCompiler | None = None
         self._texts: TokenTexts | None = None
+        self.reasoning = reasoning_format(self.reasoning_parser) \
+            if self.reasoning_parser is not None else None
 
     def open_admission(self, executor: Executor) -> None:
         """Gate 10: attach the executor, then flip readiness so requests can reach it."""
