@@ -10,6 +10,7 @@ over every rank of the job (see tensorrt_llm/_utils.py).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import _utils  # noqa: F401  (the import-time MPI collective, as the real package)
@@ -18,6 +19,8 @@ from .builder import BuildConfig
 from .mapping import Mapping
 
 __all__ = ["BuildConfig", "Mapping"]
+
+env.trace("import", argv=sys.argv)
 
 
 def __getattr__(name: str) -> Any:
