@@ -8,6 +8,10 @@ keeps TensorRT-LLM's own layout: its `config.json` (the EngineConfig the Executo
 `rank{N}.engine`. Our model config, which other backends keep in config.json, lives in
 `model_config.json` beside it.
 
+The conversion and build run in a child interpreter (pipeline/compile/trtllm_build.py) and the
+golden run in another (under mpirun at TP > 1): the build process never imports TensorRT-LLM,
+whose import initialises MPI (an MPI process must not start mpirun).
+
 TensorRT's timing cache lives in the staging directory (`input_timing_cache` =
 `output_timing_cache`): rank 0 times the kernels, the other ranks reuse its timings, and
 nothing is written to the working directory (BuildConfig's default is `model.cache` there).

@@ -12,7 +12,8 @@ FAKE_TRTLLM_MPI           "singleton": TensorRT-LLM's MPI library was not starte
                           mpirun (e.g. Open MPI 5's mpirun, Open MPI 4.1's libmpi), so every
                           process is a world of its own: rank 0 of 1 (default: the real world)
 FAKE_TRTLLM_TRACE         a file the fake appends one JSON line to per observable event
-                          ({"event": "import", "pid", "argv"} when tensorrt_llm is imported,
+                          ({"event": "import", "pid", "argv", "mpi"} when tensorrt_llm is
+                          imported, "mpi" being "singleton" without a launcher,
                           {"event": "save_checkpoint", "pid", "dir"}): what a test learns of
                           the library's use in a child process it cannot patch (default: none)
 """
