@@ -153,7 +153,7 @@ def convert_and_build(
     fd, log_name = tempfile.mkstemp(prefix="aotllm-trtllm-build-", suffix=".log")
     log = Path(log_name)
     cmd = [sys.executable, "-m", "pipeline.compile.trtllm_build", str(request)]
-    ok = False
+    keep_log = False  # only when a failure names it
     try:
         with os.fdopen(fd, "wb") as log_file:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file,
@@ -174,6 +174,7 @@ def convert_and_build(
                 proc.kill()
                 proc.wait()
         kept = f"TensorRT-LLM's full output is in {log}"
+        keep_log = "stages" not in outcome or rc != 0
         if "error" in outcome:
             raise BuildError(str(outcome["error"]),
                              f"{outcome.get('remedy') or 'rerun the build'}; {kept}",
@@ -184,11 +185,10 @@ def convert_and_build(
                 f"{_last_line(log) or 'it printed nothing'}",
                 f"check the GPU, the TensorRT-LLM install and the checkpoint; {kept}",
                 exit_code=EXIT_FAILURE)
-        ok = True
     finally:
         request.unlink(missing_ok=True)
         (engine_dir / TIMING_CACHE).unlink(missing_ok=True)
-        if ok:
+        if not keep_log:
             log.unlink(missing_ok=True)
     missing = [n for n in (TRTLLM_CONFIG, *(rank_trt_engine(r) for r in range(tp)))
                if not (engine_dir / n).is_file()]

@@ -212,7 +212,7 @@ def test_the_build_process_never_imports_tensorrt_llm(
     assert (m.toolchain["tensorrt_llm"], m.toolchain["tensorrt"]) == ("1.2.0", "10.13.0.35")
 
 
-@pytest.mark.parametrize("case", ["tensorrt_llm raises", "child cannot import it"])
+@pytest.mark.parametrize("case", ["tensorrt_llm raises", "child cannot import it", "child dies"])
 def test_a_failing_build_child_is_one_line(
         chat_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], fake_in_children: Path, case: str) -> None:
@@ -225,10 +225,20 @@ def test_a_failing_build_child_is_one_line(
         monkeypatch.setenv("FAKE_TRTLLM_SM", "8.6")
         args: tuple[str, ...] = ("--quant", "fp8")
         expected = "TensorRT-LLM failed to build the engine: RuntimeError: FP8 quantization"
-    else:  # metadata found, the package broken
+    elif case == "child cannot import it":  # metadata found, the package broken
         monkeypatch.setenv("PYTHONPATH", no_fake_env()["PYTHONPATH"])
         args = ()
         expected = "cannot import TensorRT-LLM (No module named 'tensorrt_llm')"
+    else:  # a crash in native code: no event, a signal, a last line on stderr
+        import sys
+
+        crash = tmp_path / "crashing-python"
+        crash.write_text("#!/bin/sh\necho '[TRT] [E] 1: [defaultAllocator.cpp::allocate] "
+                         "out of memory' >&2\nkill -SEGV $$\n")
+        crash.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(crash))
+        args = ()
+        expected = "was killed by SIGSEGV: [TRT] [E] 1: [defaultAllocator.cpp::allocate] out of"
     rc, out, err = _cli(capsys, chat_ckpt, "--tp", "1", "--target", "sm_90", *args,
                         "--store", tmp_path / "engines")
     assert rc == 1 and out == "", err
