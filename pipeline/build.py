@@ -79,17 +79,17 @@ class _Clock:
 
 
 def _check_backend(cfg: BuildConfig) -> None:
+    """TensorRT-LLM is looked for, never imported: its import initialises MPI, and this
+    process later starts `mpirun` (the TensorRT-LLM steps run in child processes)."""
     if cfg.backend != "trtllm":
         return
-    from runtime.executors.trtllm_setup import import_trtllm
+    from runtime.executors.trtllm_setup import trtllm_missing
 
-    try:
-        import_trtllm()
-    except ImportError as e:
+    if trtllm_missing() is not None:
         raise BuildError(
             "the trtllm backend needs TensorRT-LLM 1.2.x, which is not installed",
             "pip install .[trtllm] on a host with an NVIDIA GPU, or use --backend aoti",
-        ) from e
+        )
 
 
 def _read_hf_config(local_dir: Path) -> dict:

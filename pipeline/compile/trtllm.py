@@ -8,6 +8,10 @@ keeps TensorRT-LLM's own layout: its `config.json` (the EngineConfig the Executo
 `rank{N}.engine`. Our model config, which other backends keep in config.json, lives in
 `model_config.json` beside it.
 
+The conversion and build run in a child interpreter (pipeline/compile/trtllm_build.py) and the
+golden run in another (under mpirun at TP > 1): the build process never imports TensorRT-LLM,
+whose import initialises MPI (an MPI process must not start mpirun).
+
 TensorRT's timing cache lives in the staging directory (`input_timing_cache` =
 `output_timing_cache`): rank 0 times the kernels, the other ranks reuse its timings, and
 nothing is written to the working directory (BuildConfig's default is `model.cache` there).
@@ -21,7 +25,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,11 @@ from contract.quant import NONE, Quantization
 from pipeline.progress import Progress
 from runtime.checkpoint import read_model_config, write_engine_model_config
 from runtime.env import GOLDEN_TIMEOUT
-from runtime.executors.trtllm_setup import import_trtllm, load_model_config
+from runtime.executors.trtllm_setup import INSTALL, import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
 
 TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before hashing
+BUILD_REQUEST = ".trtllm-build.json"  # the build child's input; removed likewise
 # The golden run: a few greedy tokens after constructing the Executor (engine deserialization
 # and KV-cache allocation are most of it). A hang there (a rank that never joins, an MPI
 # launch that never starts) must not hang the build.
@@ -129,50 +136,149 @@ def convert_and_build(
     hf_dir: Path, engine_dir: Path, tp: int, dtype: str, profile: BuildProfile,
     progress: Progress | None = None, quant: Quantization = NONE,
 ) -> dict[str, float]:
-    """Every rank, one at a time: convert in memory (quantized per `quant`), build, save its
-    engine.
+    """Convert and build every rank in a child interpreter (pipeline.compile.trtllm_build),
+    relaying its progress: this process never imports TensorRT-LLM (whose import initialises
+    MPI, making this process an MPI singleton before it starts `mpirun` for the golden run).
+
+    Returns seconds per stage ("convert", "compile"). A failure is one BuildError line: the
+    child's own cause and remedy, or, when it died, its exit status and the last line it
+    printed; the child's whole output is kept in a log file the remedy names.
+    """
+    progress = progress or Progress.silent()
+    request = engine_dir / BUILD_REQUEST
+    request.write_text(json.dumps({
+        "hf_dir": str(hf_dir), "engine_dir": str(engine_dir), "tp": tp, "dtype": dtype,
+        "profile": profile.to_dict(), "quant": quant.to_dict(),
+    }))
+    fd, log_name = tempfile.mkstemp(prefix="aotllm-trtllm-build-", suffix=".log")
+    log = Path(log_name)
+    cmd = [sys.executable, "-m", "pipeline.compile.trtllm_build", str(request)]
+    keep_log = False  # only when a failure names it
+    try:
+        with os.fdopen(fd, "wb") as log_file:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file,
+                                    stdin=subprocess.DEVNULL, text=True, env=build_child_env())
+        outcome: dict[str, Any] = {}
+        try:
+            assert proc.stdout is not None
+            with progress.stage("trtllm convert + build", total=tp, unit="ranks") as st:
+                for line in proc.stdout:
+                    event = _event(line)
+                    if "advance" in event:
+                        st.advance(int(event["advance"]))
+                    elif "stages" in event or "error" in event:
+                        outcome = event
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted here (Ctrl-C, SIGTERM): end the child too
+                proc.kill()
+                proc.wait()
+        kept = f"TensorRT-LLM's full output is in {log}"
+        keep_log = "stages" not in outcome or rc != 0
+        if "error" in outcome:
+            raise BuildError(str(outcome["error"]),
+                             f"{outcome.get('remedy') or 'rerun the build'}; {kept}",
+                             exit_code=int(outcome.get("exit_code", EXIT_FAILURE)))
+        if rc != 0 or "stages" not in outcome:
+            raise BuildError(
+                f"the TensorRT-LLM build process (`{' '.join(cmd)}`) {_died(rc)}: "
+                f"{_last_line(log) or 'it printed nothing'}",
+                f"check the GPU, the TensorRT-LLM install and the checkpoint; {kept}",
+                exit_code=EXIT_FAILURE)
+    finally:
+        request.unlink(missing_ok=True)
+        (engine_dir / TIMING_CACHE).unlink(missing_ok=True)
+        if not keep_log:
+            log.unlink(missing_ok=True)
+    missing = [n for n in (TRTLLM_CONFIG, *(rank_trt_engine(r) for r in range(tp)))
+               if not (engine_dir / n).is_file()]
+    if missing:
+        raise BuildError(f"TensorRT-LLM did not write {', '.join(missing)}",
+                         "rerun the build and report it", exit_code=EXIT_FAILURE)
+    return {k: float(v) for k, v in outcome["stages"].items()}
+
+
+def build_child_env() -> dict[str, str]:
+    """The build child's environment: this one, with the repository importable."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _event(line: str) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return {}
+    return event if isinstance(event, dict) else {}
+
+
+def _died(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    if rc == 0:
+        return "exited without a result"
+    return f"exited with status {rc}"
+
+
+def _last_line(log: Path, limit: int = 400) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    last = next((ln for ln in reversed(lines) if ln), "")
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+def convert_and_build_here(
+    hf_dir: Path, engine_dir: Path, tp: int, dtype: str, profile: BuildProfile,
+    quant: Quantization = NONE, advance: Callable[[int], None] = lambda n: None,
+) -> dict[str, float]:
+    """In the build child (this imports TensorRT-LLM): every rank, one at a time, converted in
+    memory (quantized per `quant`), built, its engine saved. Calls `advance(1)` per rank.
 
     Returns seconds per stage ("convert", "compile"). Peak extra memory is one rank's model.
     """
-    progress = progress or Progress.silent()
-    tllm = import_trtllm()
-    from tensorrt_llm.builder import build
-    from tensorrt_llm.models import LLaMAForCausalLM
-
-    write_model_config(hf_dir, engine_dir)
     timing_cache = engine_dir / TIMING_CACHE
     secs = {"convert": 0.0, "compile": 0.0}
     try:
+        try:
+            tllm = import_trtllm()
+        except ImportError as e:
+            raise BuildError(f"the TensorRT-LLM build process cannot import TensorRT-LLM ({e})",
+                             f"repair the install: {INSTALL}", exit_code=EXIT_FAILURE) from e
+        from tensorrt_llm.builder import build
+        from tensorrt_llm.models import LLaMAForCausalLM
+
+        write_model_config(hf_dir, engine_dir)
         build_config = make_build_config(profile, timing_cache, quant)
         qc = quant_config(quant)
-        with progress.stage("trtllm convert + build", total=tp, unit="ranks") as st:
-            for rank in range(tp):
-                t0 = time.perf_counter()
-                mapping = tllm.Mapping(world_size=tp, rank=rank, tp_size=tp, pp_size=1)
-                model = LLaMAForCausalLM.from_hugging_face(str(hf_dir), dtype, mapping=mapping,
-                                                           quant_config=qc)
-                t1 = time.perf_counter()
-                engine = build(model, build_config)
-                engine.save(str(engine_dir))
-                secs["convert"] += t1 - t0
-                secs["compile"] += time.perf_counter() - t1
-                del model, engine
-                st.advance(1)
+        for rank in range(tp):
+            t0 = time.perf_counter()
+            mapping = tllm.Mapping(world_size=tp, rank=rank, tp_size=tp, pp_size=1)
+            model = LLaMAForCausalLM.from_hugging_face(str(hf_dir), dtype, mapping=mapping,
+                                                       quant_config=qc)
+            t1 = time.perf_counter()
+            engine = build(model, build_config)
+            engine.save(str(engine_dir))
+            secs["convert"] += t1 - t0
+            secs["compile"] += time.perf_counter() - t1
+            del model, engine
+            advance(1)
     except BuildError:
         raise
     except Exception as e:  # TensorRT-LLM's own errors: one line, with what it said
         raise BuildError(
             f"TensorRT-LLM failed to build the engine: {type(e).__name__}: {e}",
-            "check the GPU, the TensorRT-LLM install and the checkpoint; rerun with --debug",
+            "check the GPU, the TensorRT-LLM install and the checkpoint",
             exit_code=EXIT_FAILURE,
         ) from e
     finally:
         timing_cache.unlink(missing_ok=True)
-    missing = [n for n in (TRTLLM_CONFIG, *(rank_trt_engine(r) for r in range(tp)))
-               if not (engine_dir / n).is_file()]
-    if missing:
-        raise BuildError(f"TensorRT-LLM did not write {', '.join(missing)}",
-                         "rerun with --debug and report it", exit_code=EXIT_FAILURE)
     return secs
 
 

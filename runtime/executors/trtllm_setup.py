@@ -7,6 +7,7 @@ Written against shared/reference/tensorrt-llm-1.2-api.md §1.4 and §2.1. Nothin
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -47,13 +48,34 @@ def trtllm_mpi_world() -> tuple[int, int]:
 
 
 def trtllm_versions() -> dict[str, str]:
-    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT."""
-    try:
-        tllm = import_trtllm()
-        trt = importlib.import_module("tensorrt")
-    except ImportError as e:
-        raise BuildError(f"TensorRT-LLM or TensorRT is not installed ({e})", INSTALL) from e
-    return {"tensorrt_llm": str(tllm.__version__), "tensorrt": str(trt.__version__)}
+    """The versions an engine is tied to (reference §1.4): TensorRT-LLM and TensorRT, read
+    from the installed distributions' metadata, never by importing them (the build process
+    must not: importing tensorrt_llm initialises MPI). The TensorRT module ships in a
+    distribution of its own name in some releases (e.g. tensorrt-cu12-bindings beside the
+    `tensorrt` meta-package), so it is found by the module it provides."""
+    versions = {}
+    for module in ("tensorrt_llm", "tensorrt"):
+        version = installed_version(module)
+        if version is None:
+            raise BuildError(f"TensorRT-LLM or TensorRT is not installed (no distribution "
+                             f"provides the {module!r} module)", INSTALL)
+        versions[module] = version
+    return versions
+
+
+def installed_version(module: str) -> str | None:
+    """The version of the installed distribution that provides top-level `module`, from its
+    metadata (nothing is imported); None when the module or its metadata is absent."""
+    if importlib.util.find_spec(module) is None:  # a top-level name: nothing is run
+        return None
+    # The distribution whose files hold the module first, then one named as it is.
+    names = [*importlib.metadata.packages_distributions().get(module, []), module]
+    for name in dict.fromkeys(names):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def load_model_config(engine_dir: Path) -> ModelConfig:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +50,52 @@ DEFAULT_ENV = {
 }
 
 
+# The fake "install" as pip leaves it: distribution metadata beside the packages, read by
+# importlib.metadata without importing anything. TensorRT 10's `tensorrt` module ships in
+# tensorrt-cu12-bindings, beside a `tensorrt` meta-package of the same version.
+DISTS = {"tensorrt_llm": (("tensorrt_llm", "tensorrt_llm"),),
+         "tensorrt": (("tensorrt", None), ("tensorrt_cu12_bindings", "tensorrt"))}
+VERSION_VARS = {"tensorrt_llm": "FAKE_TRTLLM_VERSION", "tensorrt": "FAKE_TENSORRT_VERSION"}
+
+
+def write_dists(root: Path, versions: dict[str, str]) -> Path:
+    """`root` holding the dist-info directories of the fake at `versions` ({"tensorrt_llm":
+    "1.2.1", ...}: the others at their defaults). The fake's own directory holds them at the
+    defaults; put `root` before it on the path for another version."""
+    root.mkdir(parents=True, exist_ok=True)
+    for module, dists in DISTS.items():
+        version = versions.get(module, DEFAULT_ENV[VERSION_VARS[module]])
+        for name, top_level in dists:
+            info = root / f"{name}-{version}.dist-info"
+            info.mkdir(exist_ok=True)
+            (info / "METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+            if top_level:
+                (info / "top_level.txt").write_text(top_level + "\n")
+    return root
+
+
+def _dists_for(env: dict[str, str]) -> Path | None:
+    """A directory of dist-infos matching the FAKE_*_VERSION variables of `env`, or None when
+    they are the defaults (the fake's directory has those)."""
+    versions = {m: env[v] for m, v in VERSION_VARS.items()
+                if env.get(v, DEFAULT_ENV[v]) != DEFAULT_ENV[v]}
+    if not versions:
+        return None
+    key = "_".join(f"{m}-{v}" for m, v in sorted(versions.items()))
+    base = Path(tempfile.gettempdir()) / f"aotllm-fake-dists-{os.getuid()}"
+    root = base / key
+    if not root.is_dir():
+        base.mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=base))
+        write_dists(tmp, versions)
+        try:
+            tmp.rename(root)
+        except OSError:  # made meanwhile by another process
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
 def purge_fake_modules() -> None:
     for name in list(sys.modules):
         if any(name == p or name.startswith(p + ".") for p in _OWNED):
@@ -59,7 +107,9 @@ def subprocess_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     for key, value in DEFAULT_ENV.items():
         env.setdefault(key, value)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKES_DIR), env.get("PYTHONPATH")]))
+    dists = _dists_for(env)  # the metadata agrees with FAKE_*_VERSION, as a real install's
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(dists or ""), str(FAKES_DIR),
+                                                      env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join(filter(None, [str(FAKES_DIR / "bin"), env.get("PATH")]))
     env["FAKE_TRTLLM_PYTHON"] = sys.executable
     return env

@@ -49,11 +49,12 @@ PROFILE_ARGS = ("--max-batch-size", "4", "--max-num-tokens", "128", "--max-seq-l
 
 
 def fake_env(**extra: str) -> dict[str, str]:
-    """A child's environment: this repo and the fake on PYTHONPATH, the fake's defaults."""
-    env = helper.subprocess_env(repo_env())
-    env.pop("AOTLLM_GPU_SM", None)
-    env.update(extra)
-    return env
+    """A child's environment: this repo and the fake on PYTHONPATH, the fake's defaults, then
+    `extra` (FAKE_*_VERSION there changes the fake's distribution metadata too)."""
+    base = repo_env()
+    base.pop("AOTLLM_GPU_SM", None)
+    base.update(extra)
+    return helper.subprocess_env(base)
 
 
 def no_fake_env() -> dict[str, str]:
@@ -94,7 +95,8 @@ def engine_tp2(chat_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def engine_tp1(chat_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Built in this process (the fake activated for the build only): build_engine, TP=1."""
+    """Built by build_engine in this process, TP=1: the fake's metadata on sys.path, the fake
+    itself imported only by the build's children (conversion and build, golden run)."""
     from contract.profile import BuildProfile
     from pipeline.build import build_engine
     from pipeline.config import BuildConfig
@@ -106,7 +108,7 @@ def engine_tp1(chat_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     with pytest.MonkeyPatch.context() as mp:
         for key, value in helper.DEFAULT_ENV.items():
             mp.setenv(key, value)
-        mp.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])  # the golden run's child
+        mp.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])  # the build's children
         helper.purge_fake_modules()
         mp.syspath_prepend(str(FAKES))
         try:

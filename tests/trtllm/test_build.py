@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -54,7 +55,7 @@ def test_engine_has_trtllm_layout_and_our_manifest(engine_tp2: Path, chat_ckpt: 
 
 
 def test_rebuild_is_a_cache_hit_and_versions_key_the_engine(
-        engine_tp2: Path, chat_ckpt: Path, trtllm_fake: ModuleType,
+        engine_tp2: Path, chat_ckpt: Path, trtllm_fake: ModuleType, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     store = engine_tp2.parents[1]
     rc, out, err = _cli(capsys, chat_ckpt, "--tp", "2", "--target", "sm_90", "--store", store)
@@ -64,10 +65,14 @@ def test_rebuild_is_a_cache_hit_and_versions_key_the_engine(
                       profile=BuildProfile(max_batch_size=4, max_num_tokens=128, max_seq_len=256),
                       store=str(store))
     assert plan_build(cfg).engine_id == engine_tp2.name
-    for var, value in (("FAKE_TRTLLM_VERSION", "1.2.1"), ("FAKE_TENSORRT_VERSION", "10.14.1")):
+    from tests.trtllm.conftest import helper
+
+    # The build reads the versions from the installed distributions, as pip records them.
+    for module, value in (("tensorrt_llm", "1.2.1"), ("tensorrt", "10.14.1")):
         with monkeypatch.context() as mp:
-            mp.setenv(var, value)
-            assert plan_build(cfg).engine_id != engine_tp2.name, var
+            mp.syspath_prepend(str(helper.write_dists(tmp_path / module, {module: value})))
+            plan = plan_build(cfg)
+            assert plan.toolchain[module] == value and plan.engine_id != engine_tp2.name, module
 
 
 def _cli(capsys: pytest.CaptureFixture[str], ckpt: Path, *args: object) -> tuple[int, str, str]:
@@ -126,47 +131,123 @@ def test_non_llama_checkpoint_is_refused(tmp_path: Path, trtllm_fake: ModuleType
     assert "converts Llama-family checkpoints only" in _one_error_line(err)
 
 
+@pytest.fixture
+def fake_in_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The fake reachable as an install is, from this process and its children: its
+    metadata on sys.path here, the package on the children's PYTHONPATH, never imported here.
+    Yields the FAKE_TRTLLM_TRACE file the fake appends its imports and checkpoint saves to."""
+    from tests.trtllm.conftest import FAKES, fake_env, helper
+
+    trace = tmp_path / "fake-trace.jsonl"
+    for key, value in helper.DEFAULT_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAKE_TRTLLM_TRACE", str(trace))
+    monkeypatch.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])
+    helper.purge_fake_modules()
+    monkeypatch.syspath_prepend(str(FAKES))
+    yield trace
+    helper.purge_fake_modules()
+
+
+def _trace(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
 def test_kernels_are_timed_once_and_nothing_lands_outside_the_engine(
-        chat_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        chat_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        fake_in_children: Path) -> None:
     """TensorRT's timing cache lives in the staging directory: rank 0 times the kernels, rank 1
     reuses the timings, and neither `model.cache` (BuildConfig's default, relative to the
-    working directory) nor a checkpoint nobody reads is written anywhere."""
+    working directory) nor a checkpoint nobody reads is written anywhere. The build runs in a
+    child, so the fake reports its checkpoint saves through FAKE_TRTLLM_TRACE."""
     from pipeline.build import build_engine
-    from tests.trtllm.conftest import FAKES, fake_env, helper
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    for key, value in helper.DEFAULT_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PYTHONPATH", fake_env()["PYTHONPATH"])  # the golden run's children
-    helper.purge_fake_modules()
-    monkeypatch.syspath_prepend(str(FAKES))
-    try:
-        from tensorrt_llm._fake.engine_file import read_engine_file
-        from tensorrt_llm.models import LLaMAForCausalLM
+    cfg = BuildConfig(model=str(chat_ckpt), tp=2, backend="trtllm", target="sm_90",
+                      profile=BuildProfile(max_batch_size=2, max_num_tokens=64, max_seq_len=128),
+                      store=str(tmp_path / "store"))
+    engine = build_engine(cfg).engine_dir
+    from tensorrt_llm._fake.engine_file import read_engine_file  # after the build: a reader
 
-        saved: list[str] = []
-        real_save = LLaMAForCausalLM.save_checkpoint
-        monkeypatch.setattr(LLaMAForCausalLM, "save_checkpoint",
-                            lambda self, out, /, save_config: (saved.append(out),
-                                                               real_save(self, out,
-                                                                         save_config=save_config)))
-        cfg = BuildConfig(model=str(chat_ckpt), tp=2, backend="trtllm", target="sm_90",
-                          profile=BuildProfile(max_batch_size=2, max_num_tokens=64,
-                                               max_seq_len=128),
-                          store=str(tmp_path / "store"))
-        engine = build_engine(cfg).engine_dir
-        timed = [read_engine_file(engine / f"rank{r}.engine")["kernels_timed"] for r in (0, 1)]
-    finally:
-        helper.purge_fake_modules()
+    timed = [read_engine_file(engine / f"rank{r}.engine")["kernels_timed"] for r in (0, 1)]
     assert timed == [True, False]  # rank 1 was built from rank 0's timing cache
-    assert saved == []  # no checkpoint written: the in-memory model is what gets built
+    events = _trace(fake_in_children)
+    assert any(e["event"] == "import" for e in events)  # the trace works: the child imported
+    assert [e for e in events if e["event"] == "save_checkpoint"] == []  # built in memory
     assert list(cwd.iterdir()) == []  # no model.cache in the working directory
     listed = {f.path for f in read_manifest(engine).files}
     assert not any("cache" in p or "checkpoint" in p for p in listed), listed
     assert {p.name for p in engine.iterdir()} >= {"rank0.engine", "rank1.engine"}
     assert not any(p.name.startswith(".") for p in engine.iterdir())
+
+
+def test_the_build_process_never_imports_tensorrt_llm(
+        chat_ckpt: Path, tmp_path: Path, fake_in_children: Path) -> None:
+    """Importing tensorrt_llm initialises MPI (`_utils.py`), and a build that had done so would
+    start the golden run's `mpirun` as an MPI singleton. The build reads the versions from the
+    distributions' metadata and converts and builds in a child: in this process neither
+    tensorrt_llm nor tensorrt is imported, though both are importable here."""
+    import importlib.util
+    import os
+    import sys
+
+    from pipeline.build import build_engine
+
+    assert importlib.util.find_spec("tensorrt_llm") is not None  # it could have imported it
+    cfg = BuildConfig(model=str(chat_ckpt), tp=2, backend="trtllm", target="sm_90",
+                      profile=BuildProfile(max_batch_size=2, max_num_tokens=64, max_seq_len=128),
+                      store=str(tmp_path / "store"))
+    result = build_engine(cfg)
+    assert not result.cache_hit
+    assert not [m for m in sys.modules if m.split(".")[0] in ("tensorrt_llm", "tensorrt")]
+    imports = [e for e in _trace(fake_in_children) if e["event"] == "import"]
+    assert imports and os.getpid() not in {e["pid"] for e in imports}
+    by_child = {next(k for k in ("trtllm_build", "trtllm_golden") if k in " ".join(e["argv"])):
+                e["mpi"] for e in imports}
+    # The conversion child is the MPI singleton now; the golden run's ranks are mpirun's job.
+    assert by_child == {"trtllm_build": "singleton", "trtllm_golden": "job"}, imports
+    m = result.manifest  # the versions came from the metadata, and agree with the module's
+    assert (m.toolchain["tensorrt_llm"], m.toolchain["tensorrt"]) == ("1.2.0", "10.13.0.35")
+
+
+@pytest.mark.parametrize("case", ["tensorrt_llm raises", "child cannot import it", "child dies"])
+def test_a_failing_build_child_is_one_line(
+        chat_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], fake_in_children: Path, case: str) -> None:
+    """What goes wrong in the build child reaches the user as one line with a remedy: the
+    child's own cause when TensorRT-LLM raised, or the last thing it printed when it could not
+    even start; the child's whole output is kept in a log the line names."""
+    from tests.trtllm.conftest import no_fake_env
+
+    if case == "tensorrt_llm raises":  # the planner's SM passes; the GPU TensorRT sees fails
+        monkeypatch.setenv("FAKE_TRTLLM_SM", "8.6")
+        args: tuple[str, ...] = ("--quant", "fp8")
+        expected = "TensorRT-LLM failed to build the engine: RuntimeError: FP8 quantization"
+    elif case == "child cannot import it":  # metadata found, the package broken
+        monkeypatch.setenv("PYTHONPATH", no_fake_env()["PYTHONPATH"])
+        args = ()
+        expected = "cannot import TensorRT-LLM (No module named 'tensorrt_llm')"
+    else:  # a crash in native code: no event, a signal, a last line on stderr
+        import sys
+
+        crash = tmp_path / "crashing-python"
+        crash.write_text("#!/bin/sh\necho '[TRT] [E] 1: [defaultAllocator.cpp::allocate] "
+                         "out of memory' >&2\nkill -SEGV $$\n")
+        crash.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(crash))
+        args = ()
+        expected = "was killed by SIGSEGV: [TRT] [E] 1: [defaultAllocator.cpp::allocate] out of"
+    rc, out, err = _cli(capsys, chat_ckpt, "--tp", "1", "--target", "sm_90", *args,
+                        "--store", tmp_path / "engines")
+    assert rc == 1 and out == "", err
+    line = _one_error_line(err)
+    assert expected in line, line
+    log = Path(line.rsplit("TensorRT-LLM's full output is in ", 1)[1])
+    assert log.is_file()
+    log.unlink()
+    assert not [p for p in (tmp_path / "engines").rglob("*") if p.is_file()]
 
 
 def test_trtllm_extra_lets_tensorrt_llm_choose_its_tensorrt() -> None:

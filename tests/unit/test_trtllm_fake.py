@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,32 @@ def test_versions_follow_environment(trtllm_fake: ModuleType, monkeypatch: pytes
     monkeypatch.setenv("FAKE_TENSORRT_VERSION", "10.14.1.48")
     assert trtllm_fake.__version__ == "1.2.1"
     assert tensorrt.__version__ == "10.14.1.48"
+
+
+@pytest.mark.parametrize("env", [{}, {"FAKE_TRTLLM_VERSION": "1.2.1"},
+                                 {"FAKE_TENSORRT_VERSION": "10.14.1.48"}])
+def test_distribution_metadata_agrees_with_the_modules(env: dict[str, str]) -> None:
+    """As pip leaves an install: importlib.metadata reports the version the module does,
+    without importing it; `tensorrt` is provided by tensorrt_cu12_bindings beside a
+    `tensorrt` meta-package of the same version (TensorRT 10's wheels)."""
+    code = (
+        "import importlib.metadata as md, json, sys\n"
+        "seen = {m: md.version(m) for m in ('tensorrt_llm', 'tensorrt')}\n"
+        "providers = md.packages_distributions().get('tensorrt')\n"
+        "imported = [m for m in sys.modules if m.startswith('tensorrt')]\n"
+        "import tensorrt, tensorrt_llm\n"
+        "print(json.dumps([seen, providers, imported,\n"
+        "                  [tensorrt_llm.__version__, tensorrt.__version__]]))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_")}
+    done = subprocess.run([sys.executable, "-c", code], env=_helper.subprocess_env({**base, **env}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen, providers, imported, modules = json.loads(done.stdout)
+    assert imported == [] and set(providers) == {"tensorrt_cu12_bindings"}
+    assert [seen["tensorrt_llm"], seen["tensorrt"]] == modules
+    for var, value in env.items():
+        assert value in modules, var
 
 
 @pytest.mark.parametrize(("var", "value", "logged"), [

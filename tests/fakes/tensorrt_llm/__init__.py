@@ -10,14 +10,19 @@ over every rank of the job (see tensorrt_llm/_utils.py).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from . import _utils  # noqa: F401  (the import-time MPI collective, as the real package)
+from . import _utils  # the import-time MPI collective, as the real package
 from ._fake import env
 from .builder import BuildConfig
 from .mapping import Mapping
 
 __all__ = ["BuildConfig", "Mapping"]
+
+# The real _utils initialises MPI here even without a launcher (the process becomes an MPI
+# singleton); the fake does not, but says which of the two this import would have been.
+env.trace("import", argv=sys.argv, mpi="singleton" if _utils.mpi_comm() is None else "job")
 
 
 def __getattr__(name: str) -> Any:

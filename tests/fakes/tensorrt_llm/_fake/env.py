@@ -11,10 +11,16 @@ FAKE_TRTLLM_AWAIT_LIMIT_S   fail an await_responses(timeout=None) blocked this l
 FAKE_TRTLLM_MPI           "singleton": TensorRT-LLM's MPI library was not started by this job's
                           mpirun (e.g. Open MPI 5's mpirun, Open MPI 4.1's libmpi), so every
                           process is a world of its own: rank 0 of 1 (default: the real world)
+FAKE_TRTLLM_TRACE         a file the fake appends one JSON line to per observable event
+                          ({"event": "import", "pid", "argv", "mpi"} when tensorrt_llm is
+                          imported, "mpi" being "singleton" without a launcher,
+                          {"event": "save_checkpoint", "pid", "dir"}): what a test learns of
+                          the library's use in a child process it cannot patch (default: none)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -83,3 +89,17 @@ def log(level: str, msg: str) -> None:
 def trt_log_error(code: int, msg: str) -> None:
     """TensorRT's own error log line, as users see it: `[TRT] [E] 6: ...`."""
     print(f"[TRT] [E] {code}: {msg}", file=sys.stderr, flush=True)
+
+
+def trace(event: str, **fields: object) -> None:
+    """Append {"event", "pid", **fields} to FAKE_TRTLLM_TRACE, when set (one write: lines from
+    several processes do not interleave)."""
+    path = os.environ.get("FAKE_TRTLLM_TRACE")
+    if not path:
+        return
+    line = json.dumps({"event": event, "pid": os.getpid(), **fields}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

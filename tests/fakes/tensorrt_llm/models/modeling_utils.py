@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from .._fake import env
 from .._fake.toy import ToyModel
 from ..mapping import Mapping
 
@@ -162,6 +163,7 @@ class PretrainedModel:
 
     def save_checkpoint(self, output_dir: str | Path, /, save_config: bool) -> None:
         out = Path(output_dir)
+        env.trace("save_checkpoint", dir=str(out))
         out.mkdir(parents=True, exist_ok=True)
         m = self.config.mapping
         t = self._toy
