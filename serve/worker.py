@@ -167,7 +167,8 @@ class HttpStartup:
             state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
                                 max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
                                 api_key=cfg.api_key, max_connections=cfg.max_connections,
-                                header_timeout=cfg.header_timeout, grammar=grammar)
+                                header_timeout=cfg.header_timeout, grammar=grammar,
+                                tool_parser=cfg.tool_parser)
             self.on_state(state)
             self.http = start_http_server(state, cfg.host, cfg.port)
             self.state = state

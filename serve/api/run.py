@@ -24,6 +24,7 @@ from serve.api.choices import ChatLogprobs, Choice, CompletionLogprobs, TokenTex
 from serve.api.detok import OutputText
 from serve.api.protocol import ApiError, GenerationRequest
 from serve.api.state import ServerState
+from serve.api.tools import ToolStream, parse_output
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class Run:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, TokenEvent, float]] = asyncio.Queue()
         self._last_token_at: float | None = None
+        self._tool_streams: dict[int, ToolStream] = {}  # choice index -> its tool calls
         eos = () if req.ignore_eos else state.eos_token_ids()
         single = len(prompts) == 1
         self.subs: list[_Sub] = []
@@ -217,8 +219,14 @@ class Run:
         chat choice announces the role and carries nothing else."""
         lps = None if first else self._logprobs(choice)
         if self.req.kind == "chat":
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
-            if text is not None:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            tools = self.req.tools
+            if tools is not None and not first:
+                stream = self._tool_streams.setdefault(choice.index, ToolStream(tools.fmt))
+                delta.update(stream.push(text or "", final=finish is not None))
+                if finish == "stop" and stream.called:
+                    finish = "tool_calls"
+            elif text is not None:
                 delta["content"] = text
             return {"index": choice.index, "delta": delta, "logprobs": lps,
                     "finish_reason": finish}
@@ -228,8 +236,15 @@ class Run:
     def final_choice(self, choice: Choice) -> dict[str, Any]:
         lps = self._logprobs(choice)
         if self.req.kind == "chat":
-            return {"index": choice.index, "message": {"role": "assistant",
-                                                       "content": choice.text},
-                    "logprobs": lps, "finish_reason": choice.finish}
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            finish = choice.finish
+            if self.req.tools is not None:
+                content, calls = parse_output(self.req.tools.fmt, choice.text)
+                message["content"] = content or None if calls else content
+                if calls:
+                    message["tool_calls"] = [c.as_openai() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": choice.index, "message": message, "logprobs": lps,
+                    "finish_reason": finish}
         return {"index": choice.index, "text": choice.text, "logprobs": lps,
                 "finish_reason": choice.finish}

@@ -90,6 +90,7 @@ class ServerState:
     header_timeout: float = 10.0  # seconds for a new connection's first request header
     keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured-output bounds
+    tool_parser: str | None = None  # --tool-parser (serve/api/tools.py); None: from the template
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
