@@ -621,8 +621,11 @@ def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
 def parse_generic(text: str) -> tuple[str, list[ToolCall]]:
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
-        scan = scan_generic(text)  # cut short (max_tokens): the response so far
+    except json.JSONDecodeError:  # cut short (max_tokens): the response or calls so far
+        scan = scan_generic(text)
+        if scan.calls:
+            done = [{"name": c.name, "arguments": c.arguments} for c in scan.calls if c.done]
+            return "", _calls(done) or []
         return (scan.content if scan.content is not None else text), []
     if isinstance(obj, dict) and isinstance(obj.get("response"), str):
         return obj["response"], []
