@@ -331,7 +331,7 @@ def prepare(req: Any, template: str | None, parser: str | None) -> Any:
     if fmt == "generic":
         messages = _generic_messages(messages, spec)
         guided = GuidedSpec("json_schema", json.dumps(generic_schema(spec)))
-        guided_param = "tools"
+        guided_param = "tool_choice" if spec.named else "tools"
     elif spec.must_call:
         try:
             guided = GuidedSpec("grammar", _native_grammar(spec))
