@@ -138,9 +138,10 @@ class FastTokenizer:
                     **kwargs: Any) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        return self._template.render(messages=[dict(m) for m in messages], tools=None,
-                                     documents=None, add_generation_prompt=add_generation_prompt,
-                                     **{**self.special, **kwargs})
+        return self._template.render(messages=[dict(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{"tools": None, "documents": None, **self.special,
+                                        **kwargs})
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = False, tokenize: bool = True,

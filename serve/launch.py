@@ -16,6 +16,7 @@ GPU_KV_FRACTION = 0.9
 # runtime/scheduler_config.py): a 128-token chunk of the 135M demo costs about 0.2 s on 2
 # cores, 512 about 1 s. GPUs run 2048-token steps in tens of milliseconds: no cap there.
 CPU_PREFILL_WHILE_DECODING = 128
+TOOL_PARSERS = ("generic", "hermes", "llama3_json", "mistral")  # serve/api/tools.py FORMATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,8 @@ class LaunchConfig:
     grammar_cache_mib: int = 256
     # Chat output split into reasoning_content and content (serve/api/reasoning.py's formats)
     reasoning_parser: str | None = None
+    tool_parser: str | None = None  # None: detected from the chat template (serve/api/tools.py)
+    chat_template: Path | None = None  # a Jinja file that replaces the engine's chat template
     engine_cache: Path | None = None  # None: engines from a store are read, not cached
     store_deadline: float = 30.0
     mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
@@ -94,6 +97,11 @@ class LaunchConfig:
             from serve.api.reasoning import reasoning_format
 
             reasoning_format(self.reasoning_parser)  # ValueError naming the known ones
+        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_parser!r}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.hosts is not None and self.hostfile is not None:
             raise ValueError("give either --hosts or --hostfile, not both")
         if self.comm_iface is not None and not self.comm_iface.strip():
@@ -167,6 +175,13 @@ def parser() -> argparse.ArgumentParser:
                    help="split a thinking model's chat output into reasoning_content (the "
                         "thinking) and content (the answer): deepseek_r1, qwen3 (<think>...</think>) "
                         "or mistral ([THINK]...[/THINK]); default: no split")
+    p.add_argument("--tool-parser", default=None, choices=TOOL_PARSERS,
+                   help="the chat tool-call format: hermes (<tool_call>), llama3_json, mistral "
+                   "([TOOL_CALLS]) or generic (tools in a system message, JSON output under a "
+                   "grammar); default: from the chat template's markers, generic when it "
+                   "renders no tools")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the engine's (as vLLM's flag)")
     p.add_argument("--mpirun", default=None,
                    help="the mpirun `serve launch` starts when run on its own (default: "
                    "$AOTLLM_MPIRUN, else the mpirun of the MPI library mpi4py loads, else the "
@@ -211,6 +226,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         grammar_compile_timeout=ns.grammar_compile_timeout,
         grammar_compile_workers=ns.grammar_compile_workers,
         grammar_cache_mib=ns.grammar_cache_mib, reasoning_parser=ns.reasoning_parser,
+        tool_parser=ns.tool_parser, chat_template=ns.chat_template,
         mpirun=ns.mpirun, comm_iface=ns.comm_iface,
         hosts=ns.hosts, hostfile=ns.hostfile, mpirun_args=tuple(ns.mpirun_args),
     )

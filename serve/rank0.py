@@ -97,6 +97,8 @@ class Rank0:
         assert files is not None
         try:
             tok = FastTokenizer(files.dir)
+            if self.cfg.chat_template is not None:  # --chat-template replaces the engine's
+                tok.chat_template = self.cfg.chat_template.read_text()
         except Exception as e:  # a missing or unreadable tokenizer.json, a bad config
             self._tok_error = f"{type(e).__name__}: {' '.join(str(e).split())}"
             self._tok_s = time.perf_counter() - t0

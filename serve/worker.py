@@ -168,7 +168,8 @@ class HttpStartup:
                                 max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
                                 api_key=cfg.api_key, max_connections=cfg.max_connections,
                                 header_timeout=cfg.header_timeout, grammar=grammar,
-                                reasoning_parser=cfg.reasoning_parser)
+                                reasoning_parser=cfg.reasoning_parser,
+                                tool_parser=cfg.tool_parser)
             self.on_state(state)
             self.http = start_http_server(state, cfg.host, cfg.port)
             self.state = state

@@ -118,7 +118,13 @@ def refuse_unmapped(params: SamplingParams) -> None:
         ("prompt_logprobs", params.prompt_logprobs is not None,
          "prompt log-probabilities (echo with logprobs) are"),
         ("logit_bias", bool(params.logit_bias), "logit_bias is"),
-        ("guided", params.guided is not None, "structured output (response_format) is"),
+        # Tool calls under a grammar (tool_choice required or named, or a chat template
+        # without tool support: the generic format) come here too, named by their field.
+        ("guided", params.guided is not None, "grammar-constrained output (response_format, "
+         "guided_*, and tool calls that need a grammar: tool_choice 'required' or a named "
+         "function, or any tool use with a chat template that renders no tools) needs "
+         "TensorRT-LLM's guided decoding (a GuidedDecodingConfig in the ExecutorConfig), "
+         "which this adapter does not set up, so it is"),
         ("num_sequences", params.num_sequences > 1, "more than one sequence per request "
          "(n, best_of) is"),
     ]

@@ -33,6 +33,7 @@ from serve.api.protocol import (
 )
 from serve.api.run import Run
 from serve.api.state import STATE_KEY, TASKS_KEY, ServerState
+from serve.api.tools import prepare as prepare_tools
 
 log = logging.getLogger(__name__)
 BODY_READ_TIMEOUT_S = 30.0
@@ -174,6 +175,10 @@ async def _generate(request: web.Request, state: ServerState, parse: Parse,
                        code="batch_exceeds_max_queue")
     if state.tokenizer is None:
         raise unavailable(state)
+    if req.tools is not None:  # the tool format, its prompt and grammar (xgrammar: off-loop)
+        req = await asyncio.get_running_loop().run_in_executor(
+            None, prepare_tools, req, getattr(state.tokenizer, "chat_template", None),
+            state.tool_parser)
     prompts, params = await asyncio.get_running_loop().run_in_executor(
         None, _prepare, state, req)
     if req.guided is not None:
@@ -193,6 +198,8 @@ async def _generate(request: web.Request, state: ServerState, parse: Parse,
                 executor.add_request(sub.request_id, sub.prompt_ids, params, run.callback(p))
             except UnsupportedParameter as exc:  # a 400 naming the field the client sent
                 name = _PARAM_NAMES.get(exc.param, exc.param)
+                if exc.param == "guided" and req.guided_param:  # tools, tool_choice, guided_*
+                    name = req.guided_param
                 if name == "logprobs" and req.kind == "chat":
                     name = "top_logprobs"
                 if name == "n" and req.best_of is not None:

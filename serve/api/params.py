@@ -185,8 +185,9 @@ def sampling_fields(body: Mapping[str, Any], kind: Literal["completion", "chat"]
             if key != "include_usage" and value not in (None, False):
                 raise bad("stream_options", f"'stream_options.{key}' is not supported",
                           "unsupported_parameter")
-    if body.get("tools"):
-        raise bad("tools", "'tools' is not supported", "unsupported_parameter")
+    if body.get("tools") and kind == "completion":  # chat: tools.py
+        raise bad("tools", "'tools' is only supported by /v1/chat/completions",
+                  "unsupported_parameter")
     n = opt_int(body, "n", 1)
     assert n is not None
     in_range("n", n, 1, MAX_N)

@@ -57,9 +57,10 @@ def _apply_chat_template(req: GenerationRequest, tokenizer: Any) -> list[int]:
         raise ApiError(400, "this model has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
     try:
+        tools = req.tools.template_kwargs() if req.tools is not None else {}
         out = tokenizer.apply_chat_template([dict(m) for m in req.messages],
                                             add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+                                            return_dict=False, **tools)
     except Exception as exc:
         # Templates reject conversations with jinja's raise_exception (e.g. roles that
         # do not alternate); that is the client's input, so it is a 400 not a 500.

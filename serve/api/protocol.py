@@ -3,9 +3,9 @@
 Pure functions (no I/O, no event loop) so the whole validation table is unit-testable.
 A field with a wrong type or value is a 400 naming the parameter. So is every field this
 server does not honour (as OpenAI answers "Unrecognized request argument"): a client that
-relies on tools or function calling would otherwise get wrong results without noticing.
-Such a field's neutral value (tool_choice "none", an empty functions list) and null are
-accepted, since they ask for nothing. The sampling and output fields are in params.py.
+relies on a field it does not honour (the legacy `functions`, say) would otherwise get wrong
+results without noticing. Such a field's neutral value (an empty functions list) and null are
+accepted, since they ask for nothing. Tool calling (`tools`, `tool_choice`) is in tools.py. The sampling and output fields are in params.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from serve.api.params import (
     MAX_STOP_STRINGS,
     sampling_fields,
 )
+from serve.api.tools import ToolSpec, parse_message, parse_tools
 
 __all__ = ["MAX_PROMPTS", "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ApiError",
            "GenerationRequest", "parse_chat_request", "parse_completion_request",
@@ -37,7 +38,8 @@ _SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "seed", "stop",
                        "tools", *GUIDED_FIELDS,
                        "user"})  # user: an end-user id for abuse tracing; no effect on output
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs",
+                           "tool_choice", "parallel_tool_calls"}  # tools.py
 # Fields not honoured, accepted only with the value that asks for nothing.
 _NEUTRAL: dict[str, tuple[object, ...]] = {"tool_choice": ("none",), "functions": ([],)}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -52,7 +54,7 @@ class GenerationRequest:
     model: str | None
     # completion: one prompt or a batch, each text or token ids
     prompts: tuple[str | tuple[int, ...], ...] = ()
-    messages: tuple[dict[str, str], ...] = ()  # chat, content flattened to text
+    messages: tuple[dict[str, Any], ...] = ()  # chat, content flattened to text
     max_tokens: int | None = 16  # None: as many as fit in max_seq_len (chat default)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -74,6 +76,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     guided: GuidedSpec | None = None
     guided_param: str | None = None  # the field it came from (response_format, guided_*)
+    tools: ToolSpec | None = None  # chat tool calling (tools.py); None: no tools in play
 
     @property
     def prompt(self) -> str | None:
@@ -208,7 +211,7 @@ def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
 def _message_text(i: int, msg: dict[str, Any]) -> str:
     content = msg.get("content")
     if content is None:
-        if msg.get("role") == "assistant":
+        if msg.get("role") == "assistant":  # a reply, or only tool calls
             return ""
         raise _bad("messages", f"messages[{i}].content is required")
     if isinstance(content, str):
@@ -241,7 +244,7 @@ def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
                    "invalid_type")
     if not messages:
         raise _bad("messages", "'messages' must not be empty")
-    flat: list[dict[str, str]] = []
+    flat: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise _bad("messages", f"messages[{i}] must be an object", "invalid_type")
@@ -249,9 +252,9 @@ def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
         if role not in _ROLES:
             raise _bad("messages", f"messages[{i}].role must be one of {', '.join(_ROLES)}, "
                        f"got {role!r}")
-        flat.append({"role": role, "content": _message_text(i, msg)})
+        flat.append(parse_message(i, msg, role, _message_text(i, msg)))
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _check_max_tokens(name, opt_int(body, name, None))
     return GenerationRequest(kind="chat", messages=tuple(flat), max_tokens=max_tokens,
-                             **sampling_fields(body, "chat"))
+                             tools=parse_tools(body), **sampling_fields(body, "chat"))

@@ -30,6 +30,7 @@ from serve.api.reasoning import (
     reasoning_opened,
 )
 from serve.api.state import ServerState
+from serve.api.tools import ToolStream, parse_output
 
 
 @dataclass(eq=False)
@@ -70,6 +71,7 @@ class Run:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, TokenEvent, float]] = asyncio.Queue()
         self._last_token_at: float | None = None
+        self._tool_streams: dict[int, ToolStream] = {}  # choice index -> its tool calls
         eos = () if req.ignore_eos else state.eos_token_ids()
         single = len(prompts) == 1
         self.subs: list[_Sub] = []
@@ -227,9 +229,22 @@ class Run:
         chat choice announces the role and carries nothing else."""
         lps = None if first else self._logprobs(choice)
         if self.req.kind == "chat":
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
-            if choice.reasoning is not None and not first:
-                delta.update(reasoning_delta(choice.reasoning, text, finish))
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            tools = self.req.tools
+            if not first and (choice.reasoning is not None or tools is not None):
+                content = text
+                if choice.reasoning is not None:  # thinking first; what follows is the answer
+                    part = reasoning_delta(choice.reasoning, text, finish)
+                    if "reasoning_content" in part:
+                        delta["reasoning_content"] = part["reasoning_content"]
+                    content = part.get("content")
+                if tools is not None:  # the answer may be tool calls
+                    stream = self._tool_streams.setdefault(choice.index, ToolStream(tools.fmt))
+                    delta.update(stream.push(content or "", final=finish is not None))
+                    if finish == "stop" and stream.called:
+                        finish = "tool_calls"
+                elif content:
+                    delta["content"] = content
             elif text is not None:
                 delta["content"] = text
             return {"index": choice.index, "delta": delta, "logprobs": lps,
@@ -241,9 +256,18 @@ class Run:
         lps = self._logprobs(choice)
         if self.req.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            finish = choice.finish
             if choice.reasoning is not None:
                 message.update(reasoning_message(choice.reasoning, choice.text))
-            return {"index": choice.index, "message": message,
-                    "logprobs": lps, "finish_reason": choice.finish}
+            if self.req.tools is not None:
+                content, calls = parse_output(self.req.tools.fmt, message["content"] or "")
+                if calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [c.as_openai() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+                elif message["content"] is not None:
+                    message["content"] = content
+            return {"index": choice.index, "message": message, "logprobs": lps,
+                    "finish_reason": finish}
         return {"index": choice.index, "text": choice.text, "logprobs": lps,
                 "finish_reason": choice.finish}

@@ -92,6 +92,7 @@ class ServerState:
     keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured-output bounds
     reasoning_parser: str | None = None  # --reasoning-parser: serve/api/reasoning.py's FORMATS
+    tool_parser: str | None = None  # --tool-parser (serve/api/tools.py); None: from the template
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

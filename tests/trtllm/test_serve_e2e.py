@@ -178,6 +178,20 @@ def test_serve_end_to_end_under_mpirun(serving: Server, engine_tp2: Path,
     assert "Traceback" not in srv.log()
 
 
+def test_tools_map_where_no_grammar_is_needed(serving: Server) -> None:
+    """tool_choice none is plain chat on trtllm. (Calls that need a grammar are refused by the
+    adapter as `guided`, test_sampling_fields.py; the generic format's prompt does not fit
+    this engine's 256 tokens, so the 400 naming tools is not reached here.)"""
+    import openai
+
+    client = openai.OpenAI(base_url=serving.url + "/v1", api_key="unused", max_retries=0)
+    tool = {"type": "function", "function": {"name": "f"}}
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="tiny-chat", messages=messages, tools=[tool],
+                                         tool_choice="none", max_tokens=4, temperature=0)
+    assert out.choices[0].message.tool_calls is None
+
+
 def _wait_log(srv: Server, pattern: str, timeout: float = 5) -> re.Match[str]:
     """mpirun forwards the ranks' stderr asynchronously: wait for a line to arrive."""
     deadline = time.monotonic() + timeout

@@ -106,6 +106,8 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
      "max_completion_tokens"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_request_error",
      "tools"),
+    (C, {"prompt": "x", "tools": [{"type": "function"}]}, 400, "invalid_request_error",
+     "tools"),
     (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "invalid_request_error", "response_format"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
@@ -162,8 +164,8 @@ def test_valid_completion_defaults_and_neutral_fields_accepted() -> None:
 
 @pytest.mark.parametrize(("endpoint", "field", "value"), [
     (CHAT, "best_of", 2), (CHAT, "echo", True), (C, "top_logprobs", 3),
-    (CHAT, "tool_choice", "auto"), (CHAT, "functions", [{"name": "f"}]),
-    (C, "best_effort", 3), (CHAT, "parallel_tool_calls", True), (CHAT, "suffix", "x"),
+    (C, "tool_choice", "auto"), (CHAT, "functions", [{"name": "f"}]),
+    (C, "best_effort", 3), (C, "parallel_tool_calls", True), (CHAT, "suffix", "x"),
     (C, "prompt_logprobs", 1), (C, "logits_processors", ["x"]),
 ])
 def test_every_field_not_honoured_is_a_400_naming_it(endpoint: str, field: str, value: Any
