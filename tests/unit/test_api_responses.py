@@ -118,8 +118,9 @@ def test_text_format_becomes_response_format() -> None:
      "stream"),
     ({"input": "x", "temperature": 9}, "temperature", "temperature"),
     ({"input": "x", "top_p": "high"}, "top_p", "top_p"),
-    # Until chat tool calling lands, tools are the chat path's 400, naming the field.
-    ({"input": "x", "tools": [WEATHER]}, "tools", "tools"),
+    # A function tool whose parameters are not a JSON Schema object: the chat path's 400,
+    # named as the Responses field.
+    ({"input": "x", "tools": [{**WEATHER, "parameters": "a string"}]}, "tools", "tools"),
 ])
 def test_bad_or_unsupported_fields_are_400s_naming_them(body: dict[str, Any], param: str,
                                                         words: str) -> None:
