@@ -35,6 +35,7 @@ _SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "seed", "stop",
                        "frequency_penalty", "repetition_penalty", "logit_bias",
                        "min_tokens", "stop_token_ids", "logprobs", "response_format",
                        "tools", *GUIDED_FIELDS,
+                       "priority",  # vLLM's: lower is scheduled earlier
                        "user"})  # user: an end-user id for abuse tracing; no effect on output
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
@@ -74,6 +75,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     guided: GuidedSpec | None = None
     guided_param: str | None = None  # the field it came from (response_format, guided_*)
+    priority: int = 0  # scheduling: lower first (vLLM's convention)
 
     @property
     def prompt(self) -> str | None:
