@@ -5,23 +5,44 @@ and computed tokens (in the KV cache); each step hands out a token budget so tha
 catches up with known. A long prompt is computed over several steps (chunked prefill), a
 decode is one token (the one sampled last step), and both share a step.
 
-Per step: running sequences first, in arrival order, each taking min(uncomputed, budget
+Per step: running sequences first, in schedule order, each taking min(uncomputed, budget
 left) tokens (prompt chunks also within `max_prefill_tokens_while_decoding` while some
-sequence decodes); then waiting sequences, first come first served, while the batch has room,
-budget is left and the KV blocks for their first chunk are free. Blocks are allocated for
-exactly the tokens computed this step. When a running sequence needs a block and none is
-free, the most recently arrived running sequence (maybe itself) is preempted: its blocks
-are freed and it goes back to the front of the queue, to be recomputed from prompt + output
-when readmitted. No sequence is admitted in a step that preempted.
+sequence decodes); then waiting sequences while the batch has room, budget is left and the
+KV blocks for their first chunk are free. Blocks are allocated for exactly the tokens
+computed this step. When a running sequence needs a block and none is free, the last
+running sequence in schedule order (maybe itself) is preempted: its blocks are freed and it
+goes back to the queue, to be recomputed from prompt + output when readmitted. No sequence
+is admitted in a step that preempted.
 
-Liveness: the oldest running sequence is never preempted for another one, and `add`
-rejects what could not fit in the pool alone, so the oldest always progresses.
+Schedule order: `priority` (lower first, vLLM's convention), then arrival (first come,
+first served). Both queues keep it, so a high-priority request is admitted first, gets the
+budget first and is the last to be preempted for blocks. It does not preempt running
+requests to be admitted (as vLLM's priority policy admits: when a row frees).
+
+Fair admission (issue #37), on top:
+- Shares. Each request present (running or waiting) may hold max_batch_size // requests
+  batch rows (at least one); n and best_of count against it. The next sequence admitted is
+  the first, among the best priority waiting, whose request holds less than its share.
+  When one such waits and every row is taken, requests over their share (and not more
+  important) give rows back, one at a time: a sibling reservation shrinks, else their last
+  sibling is preempted (recomputed later; the prefix cache serves what it still holds).
+  Alone, a request may take every row; rows are taken back only for someone who waits.
+- First tokens behind a long prompt. While sequences wait and rows are free, running prompt
+  chunks leave part of the step's tokens to them (what they need, at most half of the
+  step's prompt tokens), so a short request arriving during a long prefill is admitted and
+  sampled in its first step, and the long prompt still gets at least half of every step.
+
+Liveness: the first running sequence in schedule order is never preempted for another one
+(block preemption takes the last; row preemption leaves each request its first), and `add`
+rejects what could not fit in the pool alone, so it always progresses.
 
 n > 1 (and best_of): one sequence computes the prompt; when it samples its first token the
 engine samples its siblings' first tokens from the same logits, and `update` forks them:
 each sibling shares the prompt's full KV blocks (reference counts) and gets a copy of the
 last, partly filled one (copy-on-write, `StepPlan.copied_blocks`), so the prompt is
-prefilled once. Batch slots for the siblings are reserved when the first one is admitted.
+prefilled once. Batch rows for the siblings are reserved when the first one is admitted
+(`Sequence.fork_rows`: what is free, within the request's share); siblings beyond them wait
+holding nothing and are recomputed when admitted.
 
 Prompt log-probabilities (echo) need logits at every prompt position: such a sequence
 skips the prefix cache, and its chunks are capped so that a step's logits rows stay
@@ -39,7 +60,7 @@ from collections.abc import Sequence as Seq
 
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.scheduler_config import SchedulerConfig, SchedulerStats
-from runtime.scheduler_state import SchedulerState, arrival_order
+from runtime.scheduler_state import SchedulerState, schedule_order
 from runtime.sequence import SeqStatus, Sequence
 from runtime.types import FinishReason
 
@@ -83,6 +104,7 @@ class Scheduler(SchedulerState):
         seq.num_computed_tokens = 0
         seq.arrival = self._next_arrival
         seq.fork_pending = n_seqs > 1
+        seq.fork_rows = 1
         seq.want_prompt_logits = seq.params.prompt_logprobs is not None and n_prompt > 1
         self._next_arrival += 1
         stop = set(seq.params.stop_token_ids)
@@ -90,7 +112,7 @@ class Scheduler(SchedulerState):
             stop.update(cfg.eos_token_ids)
         self._stop_ids[seq.seq_id] = frozenset(stop)
         self._seqs[seq.seq_id] = seq
-        self._waiting.append(seq)
+        insort(self._waiting, seq, key=schedule_order)
 
     def stop_token_ids(self, seq_id: int) -> frozenset[int]:
         return self._stop_ids[seq_id]
@@ -131,22 +153,38 @@ class Scheduler(SchedulerState):
         """Decide the next step. Every plan must reach the runners, even an empty one."""
         if self._inflight is not None:
             raise RuntimeError(f"schedule() before update() of step {self._inflight.step_id}")
-        bm = self.block_manager
+        bm, cfg = self.block_manager, self.config
         plan = StepPlan(step_id=self._step_id)
-        budget = self.config.max_num_tokens
-        rows_left = self.config.logit_rows
+        budget = cfg.max_num_tokens
+        rows_left = cfg.logit_rows
         preempted = False
         # Prompt tokens left for this step: capped while any running sequence decodes.
-        cap = self.config.max_prefill_tokens_while_decoding
+        cap = cfg.max_prefill_tokens_while_decoding
         decoding = cap is not None and any(s.num_uncomputed_tokens == 1 for s in self._running)
         prefill_left = cap if decoding and cap is not None else budget
 
+        # Fair shares: every request present may hold max_batch_size // requests rows.
+        held = self._rows_held()
+        share = max(1, cfg.max_batch_size // len({s.request_id for s in self._seqs.values()}
+                                                 or {""}))
+        slots = sum(held.values())
+        if self._waiting:
+            slots = self._make_room(held, share, slots)
+        reserve, reserve_priority = self._reserve_for_waiting(prefill_left, held, share, slots)
+
+        decodes_left = sum(1 for s in self._running if s.num_uncomputed_tokens == 1)
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 1 and seq.num_uncomputed_tokens == 1:
+                decodes_left -= 1
             if num_new > 1:  # a prompt chunk (or a restarted sequence's recompute)
-                num_new = min(num_new, prefill_left)
+                limit = prefill_left
+                if reserve and seq.params.priority >= reserve_priority:
+                    # Left for the waiting (after the decodes): their first tokens come now.
+                    limit = min(limit, budget - decodes_left) - reserve
+                num_new = min(num_new, limit)
                 if num_new < 1:
                     i += 1
                     continue
@@ -158,7 +196,7 @@ class Scheduler(SchedulerState):
                     continue
             need = bm.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_ids)
             while not bm.can_allocate(need):
-                victim = self._running.pop()  # the most recently arrived
+                victim = self._running.pop()  # the last in schedule order
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -180,16 +218,16 @@ class Scheduler(SchedulerState):
                 prefill_left -= num_new
             i += 1
 
-        slots = sum(self._slots(s) for s in self._running)
         while (
             not preempted
             and self._waiting
             and budget > 0
             and prefill_left > 0
             and rows_left > 0
-            and slots + self._slots(self._waiting[0]) <= self.config.max_batch_size
+            and slots < cfg.max_batch_size
         ):
-            seq = self._waiting[0]
+            at = self._pick(held, share)
+            seq = self._waiting[at]
             hits = self._prefix_hits(seq) if bm.enable_prefix_caching else []
             num_cached = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget, prefill_left)
@@ -198,8 +236,8 @@ class Scheduler(SchedulerState):
             need = bm.blocks_needed(num_cached + num_new) - len(hits)
             hits_in_free_list = sum(1 for b in hits if bm.ref_count(b) == 0)
             if bm.num_free - hits_in_free_list < need:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self._waiting.popleft()
+                break  # nobody overtakes the sequence whose turn it is
+            del self._waiting[at]
             for block_id in hits:
                 bm.acquire(block_id)
             if bm.enable_prefix_caching:
@@ -211,8 +249,13 @@ class Scheduler(SchedulerState):
             seq.num_registered_blocks = len(hits)
             seq.num_computed_tokens = num_cached
             seq.status = SeqStatus.RUNNING
-            insort(self._running, seq, key=arrival_order)
+            if seq.fork_pending:  # rows for its siblings: what is free, within its share
+                mine = held.get(seq.request_id, 0)
+                seq.fork_rows = max(1, min(seq.params.num_sequences,
+                                           cfg.max_batch_size - slots, share - mine))
+            insort(self._running, seq, key=schedule_order)
             slots += self._slots(seq)
+            held[seq.request_id] = held.get(seq.request_id, 0) + self._slots(seq)
             # A restarted sequence carries its output too: recomputing the last known token
             # samples the next new one, so it needs no appended token.
             plan.new_seqs.append(NewSeq(seq.seq_id, seq.token_ids))
@@ -300,13 +343,86 @@ class Scheduler(SchedulerState):
             prompt_tokens_computed_total=self._prompt_computed,
             forked_sequences_total=self._forked,
             kv_blocks_copied_total=self._copied,
+            rows_reclaimed_total=self._rows_reclaimed,
         )
 
     # ---- internals ---------------------------------------------------------------------
 
     def _slots(self, seq: Sequence) -> int:
-        """Batch slots a sequence holds: its own, plus its siblings' until it forks."""
-        return seq.params.num_sequences if seq.fork_pending else 1
+        """Batch rows a sequence holds: its own, plus its siblings' until it forks."""
+        return seq.fork_rows if seq.fork_pending else 1
+
+    def _rows_held(self) -> dict[str, int]:
+        """Batch rows each request's running sequences hold."""
+        held: dict[str, int] = {}
+        for seq in self._running:
+            held[seq.request_id] = held.get(seq.request_id, 0) + self._slots(seq)
+        return held
+
+    def _pick(self, held: Mapping[str, int], share: int) -> int:
+        """Where in the queue the next sequence to admit is: among those of the best
+        priority waiting, the first whose request holds fewer rows than its share; else
+        the head (rows are free and nobody else wants them)."""
+        best = self._waiting[0].params.priority
+        for at, seq in enumerate(self._waiting):
+            if seq.params.priority != best:
+                break
+            if held.get(seq.request_id, 0) < share:
+                return at
+        return 0
+
+    def _make_room(self, held: dict[str, int], share: int, slots: int) -> int:
+        """A request under its share waits and every row is taken: take rows back from
+        requests over theirs (none more important than it), one at a time, the most over
+        first. A sibling reservation shrinks first (free); else that request's last
+        sibling is preempted, to be recomputed when rows are free again. Returns the rows
+        held now."""
+        want = self._waiting[self._pick(held, share)]
+        if held.get(want.request_id, 0) >= share:
+            return slots
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in self._running:
+            by_request.setdefault(seq.request_id, []).append(seq)
+        while slots >= self.config.max_batch_size:
+            over = [r for r, seqs in by_request.items() if held[r] > share
+                    and seqs[0].params.priority >= want.params.priority]
+            if not over:
+                break
+            r = max(over, key=lambda r: (held[r] - share, schedule_order(by_request[r][0])))
+            seqs = by_request[r]
+            pending = next((s for s in seqs if s.fork_pending and s.fork_rows > 1), None)
+            if pending is not None:
+                pending.fork_rows -= 1
+            else:
+                victim = seqs.pop()  # held > share >= 1 leaves its first one running
+                self._running.remove(victim)
+                self._preempt(victim)
+                self._rows_reclaimed += 1
+            held[r] -= 1
+            slots -= 1
+        return slots
+
+    def _reserve_for_waiting(self, prefill_left: int, held: Mapping[str, int], share: int,
+                             slots: int) -> tuple[int, int]:
+        """Prompt tokens kept from running prompts this step for the sequences whose turn
+        it is to be admitted (as many as rows are free; at most half the step's prompt
+        tokens, so that both progress), and the priority that may claim them: a long
+        prompt being prefilled no longer holds back the first token of every request
+        that arrives after it."""
+        free_rows = self.config.max_batch_size - slots
+        if not self._waiting or free_rows < 1 or prefill_left < 2:
+            return 0, 0
+        at = self._pick(held, share)
+        want = self._waiting[at]
+        demand = want.num_tokens
+        for seq in self._waiting[:free_rows + 1]:
+            if seq is not want and seq.params.priority == want.params.priority:
+                demand += seq.num_tokens
+        reserve = min(prefill_left // 2, demand)
+        if self.block_manager.num_free < self.block_manager.blocks_needed(
+                min(reserve, want.num_tokens)):
+            return 0, 0  # its turn cannot come this step anyway
+        return reserve, want.params.priority
 
     def _entry(self, seq: Sequence, num_new: int, new_blocks: list[int]) -> ScheduledSeq:
         start = seq.num_computed_tokens

@@ -78,3 +78,4 @@ class SchedulerStats:
     prompt_tokens_computed_total: int = 0  # prompt positions run through the model
     forked_sequences_total: int = 0  # sequences started from a sibling's prefill (n > 1)
     kv_blocks_copied_total: int = 0  # copy-on-write of a fork's last prompt block
+    rows_reclaimed_total: int = 0  # siblings preempted to give a waiting request its share

@@ -10,7 +10,6 @@ registrations, always leaving blocks, queues and runners' knowledge in agreement
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
 from collections.abc import Sequence as Seq
 
 from runtime.kv_cache import BlockManager, hash_block
@@ -20,8 +19,10 @@ from runtime.sequence import SeqStatus, Sequence
 from runtime.types import FinishReason
 
 
-def arrival_order(seq: Sequence) -> int:
-    return seq.arrival
+def schedule_order(seq: Sequence) -> tuple[int, int]:
+    """Both queues' order: priority (lower first, as vLLM's), then arrival. Siblings share
+    their parent's key and stay in the order they joined."""
+    return (seq.params.priority, seq.arrival)
 
 
 class SchedulerState:
@@ -31,8 +32,8 @@ class SchedulerState:
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self._seqs: dict[int, Sequence] = {}  # unfinished sequences by id
-        self._waiting: deque[Sequence] = deque()  # arrival order (preempted ones rejoin at front)
-        self._running: list[Sequence] = []  # arrival order
+        self._waiting: list[Sequence] = []  # schedule_order (preempted ones rejoin by it)
+        self._running: list[Sequence] = []  # schedule_order
         self._stop_ids: dict[int, frozenset[int]] = {}
         self._known_to_runners: set[int] = set()
         self._fresh_forks: set[int] = set()  # forked, running, not yet sent to the runners
@@ -51,6 +52,7 @@ class SchedulerState:
         self._prompt_computed = 0
         self._forked = 0
         self._copied = 0
+        self._rows_reclaimed = 0  # siblings preempted so a request under its share got a row
 
     def _append(self, seq: Sequence, token: int) -> FinishReason | None:
         """A sampled token joins the sequence; finishes it on a stop token or at max_tokens."""
@@ -75,12 +77,15 @@ class SchedulerState:
         """Siblings of `parent`, which has just computed its prompt, each with its token.
 
         A sibling shares the full prompt blocks and gets its own copy of the partly filled
-        last one. If no block is free for that copy it waits, holding nothing, and is
-        recomputed when admitted (the prefix cache may still serve the full blocks)."""
+        last one. Only `parent.fork_rows - 1` siblings start running (the rows the request
+        was given at admission, its fair share at most); the others, and any for which no
+        block is free for that copy, wait holding nothing and are recomputed when admitted
+        (the prefix cache may still serve the full blocks)."""
         bm, bs = self.block_manager, self.config.block_size
         length = parent.num_computed_tokens  # == its prompt: it forks at its first sample
         full, partial = divmod(length, bs)
         out: list[Sequence] = []
+        rows = parent.fork_rows - 1
         for child_id, token in children:
             if child_id in self._seqs:
                 raise ValueError(f"sequence id {child_id} is already scheduled")
@@ -91,7 +96,8 @@ class SchedulerState:
             self._seqs[child_id] = child
             self._stop_ids[child_id] = self._stop_ids[parent.seq_id]
             self._forked += 1
-            if bm.can_allocate(1 if partial else 0):
+            if rows > 0 and bm.can_allocate(1 if partial else 0):
+                rows -= 1
                 for block_id in parent.block_ids[:full]:
                     bm.share(block_id)
                 child.block_ids = parent.block_ids[:full] + bm.allocate(1 if partial else 0)
@@ -101,10 +107,10 @@ class SchedulerState:
                 child.num_computed_tokens = length
                 child.num_registered_blocks = min(parent.num_registered_blocks, full)
                 child.status = SeqStatus.RUNNING
-                insort(self._running, child, key=arrival_order)
+                insort(self._running, child, key=schedule_order)
                 self._fresh_forks.add(child_id)
             else:
-                self._waiting.appendleft(child)
+                insort(self._waiting, child, key=schedule_order)
             # The token counts as sampled now; a waiting sibling recomputes it on admission.
             self._append(child, token)
             out.append(child)
@@ -126,7 +132,7 @@ class SchedulerState:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        self._waiting.appendleft(seq)
+        insort(self._waiting, seq, key=schedule_order)
         self._preemptions += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -134,6 +140,7 @@ class SchedulerState:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.fork_pending = False
+        seq.fork_rows = 1
         del self._seqs[seq.seq_id]
         del self._stop_ids[seq.seq_id]
 

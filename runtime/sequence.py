@@ -32,7 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    arrival: int = -1  # set by Scheduler.add: first come, first served, and preemption order
+    arrival: int = -1  # set by Scheduler.add: first come, first served (within a priority)
     # Prefix caching: keys of this sequence's full blocks by content (they never change, so
     # they survive preemption), and how many of its blocks the cache already knows.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -43,6 +43,9 @@ class Sequence:
     want_prompt_logits: bool = False
     # n > 1: the sequence forks into its siblings when it samples its first token.
     fork_pending: bool = False
+    # Batch rows held for it and its siblings until it forks (the scheduler sets it at
+    # admission, at most the request's fair share); siblings beyond it wait for rows.
+    fork_rows: int = 1
 
     @property
     def token_ids(self) -> list[int]:

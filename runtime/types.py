@@ -21,6 +21,9 @@ from typing import Any, Literal, Protocol
 FinishReason = Literal["stop", "length", "cancelled", "rejected", "error"]
 GuideKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+# Scheduling priority (vLLM's `priority`: lower is served earlier, 0 the default); the
+# bound keeps it an int32, as a client may send any JSON integer.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 class UnsupportedParameter(ValueError):
@@ -71,6 +74,8 @@ class SamplingParams:
     # (xgrammar's CompiledGrammar, see runtime/grammar.py); compiled by the caller, off
     # the engine thread, and cached per spec.
     grammar: Any = field(default=None, compare=False, repr=False)
+    # Scheduling, not sampling: lower values are admitted (and keep their rows) first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -91,6 +96,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        lo, hi = PRIORITY_RANGE
+        if (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                or not lo <= self.priority <= hi):
+            raise ValueError(f"priority must be an integer in [{lo}, {hi}], got "
+                             f"{self.priority!r}")
 
     @property
     def greedy(self) -> bool:

@@ -81,6 +81,7 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         # commutes with the temperature it applies first. presence/frequency: refused above.
         repetition_penalty=_unless(params.repetition_penalty, 1.0),
     )
+    extra = {} if params.priority == 0 else {"priority": trtllm_priority(params.priority)}
     return tx.Request(
         [int(t) for t in prompt], int(params.max_tokens),
         streaming=True,
@@ -91,7 +92,15 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         pad_id=pad_id,
         stop_words=stop_words or None,
         bad_words=bad_words,
+        **extra,
     )
+
+
+def trtllm_priority(priority: int) -> float:
+    """vLLM's integer priority (lower first, 0 the default) as TensorRT-LLM's Request
+    priority (a float in [0, 1], higher first, 0.5 the default): strictly decreasing, so
+    the order is kept (to float precision: integers beyond about 2**26 from 0 may tie)."""
+    return 0.5 - 0.5 * priority / (abs(priority) + 1)
 
 
 def _unless(value: float, neutral: float) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.types import MAX_LOGPROBS
+from runtime.types import MAX_LOGPROBS, PRIORITY_RANGE
 from serve.api.params import (
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -75,6 +75,9 @@ _SAMPLING: dict[str, Any] = {
                       "items": {"type": "string", "minLength": 1}},
     "guided_grammar": {"anyOf": [_SCHEMA_TEXT, {"type": "null"}],
                        "description": "EBNF (xgrammar's dialect)"},
+    "priority": {"type": ["integer", "null"], "minimum": PRIORITY_RANGE[0],
+                 "maximum": PRIORITY_RANGE[1],
+                 "description": "vLLM's extension: lower is scheduled earlier (default 0)"},
     "user": {"type": ["string", "null"]},
 }
 _TOKENS = {"type": ["integer", "null"], "minimum": 1}

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from runtime.types import MAX_LOGPROBS, GuidedSpec
+from runtime.types import MAX_LOGPROBS, PRIORITY_RANGE, GuidedSpec
 from serve.api.fields import (
     bad,
     in_range,
@@ -153,6 +153,14 @@ def _guided(body: Mapping[str, Any]) -> tuple[GuidedSpec | None, str | None]:
     return specs[0] if specs else (None, None)
 
 
+def _priority(body: Mapping[str, Any]) -> int:
+    """vLLM's `priority`: an integer, lower is scheduled earlier (runtime/scheduler.py)."""
+    priority = opt_int(body, "priority", 0)
+    assert priority is not None
+    in_range("priority", priority, *PRIORITY_RANGE)
+    return priority
+
+
 def sampling_fields(body: Mapping[str, Any], kind: Literal["completion", "chat"]
                     ) -> dict[str, Any]:
     """Every GenerationRequest field but the prompt, messages and max_tokens."""
@@ -220,4 +228,5 @@ def sampling_fields(body: Mapping[str, Any], kind: Literal["completion", "chat"]
         "min_tokens": min_tokens,
         "stop_token_ids": int_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS),
         "guided": guided, "guided_param": guided_param,
+        "priority": _priority(body),
     }

@@ -114,4 +114,5 @@ def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: 
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, n=req.n, best_of=req.best_of,
         logprobs=req.logprobs if max_tokens > 0 else None,
-        prompt_logprobs=req.logprobs if echo_logprobs else None, guided=req.guided)
+        prompt_logprobs=req.logprobs if echo_logprobs else None, guided=req.guided,
+        priority=req.priority)

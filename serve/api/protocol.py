@@ -36,6 +36,7 @@ _SAMPLING = frozenset({"model", "temperature", "top_p", "top_k", "seed", "stop",
                        "frequency_penalty", "repetition_penalty", "logit_bias",
                        "min_tokens", "stop_token_ids", "logprobs", "response_format",
                        "tools", *GUIDED_FIELDS,
+                       "priority",  # vLLM's: lower is scheduled earlier
                        "user"})  # user: an end-user id for abuse tracing; no effect on output
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SAMPLING | {"messages", "max_tokens", "max_completion_tokens", "top_logprobs",
@@ -77,6 +78,7 @@ class GenerationRequest:
     guided: GuidedSpec | None = None
     guided_param: str | None = None  # the field it came from (response_format, guided_*)
     tools: ToolSpec | None = None  # chat tool calling (tools.py); None: no tools in play
+    priority: int = 0  # scheduling: lower first (vLLM's convention)
 
     @property
     def prompt(self) -> str | None:

@@ -43,6 +43,19 @@ def test_penalties_min_tokens_and_logprobs_are_mapped(adapter: Any) -> None:
     assert not plain.output_config.return_log_probs
 
 
+def test_priority_keeps_its_order_in_tensorrt_llms_scale(adapter: Any) -> None:
+    from runtime.executors.trtllm_request import trtllm_priority
+
+    def prio(p: int) -> float:
+        return adapter.make_request([1], SamplingParams(max_tokens=2, priority=p)).priority
+
+    assert prio(0) == 0.5  # TensorRT-LLM's default: not passed at all
+    values = [prio(p) for p in (-(2**31), -1000, -1, 1, 2, 1000, 2**31 - 1)]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert values == sorted(values, reverse=True) and len(set(values)) == len(values)
+    assert trtllm_priority(-1) > 0.5 > trtllm_priority(1)
+
+
 def test_the_chosen_tokens_logprobs_come_back(adapter: Any) -> None:
     sink = _Sink()
     adapter.add_request("lp", [5, 17, 33, 2], SamplingParams(max_tokens=5, temperature=0.0,

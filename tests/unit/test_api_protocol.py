@@ -90,6 +90,12 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str, str | None]] = [
      "ignore_eos"),
     (C, {"prompt": "x", "ignore_eos": "true"}, 400, "invalid_request_error", "ignore_eos"),
     (C, {"prompt": "x", "model": 3}, 400, "invalid_request_error", "model"),
+    (C, {"prompt": "x", "priority": "high"}, 400, "invalid_request_error", "priority"),
+    (C, {"prompt": "x", "priority": 1.5}, 400, "invalid_request_error", "priority"),
+    (C, {"prompt": "x", "priority": True}, 400, "invalid_request_error", "priority"),
+    (C, {"prompt": "x", "priority": 2**31}, 400, "invalid_request_error", "priority"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "priority": [1]}, 400,
+     "invalid_request_error", "priority"),
     (CHAT, {}, 400, "invalid_request_error", "messages"),
     (CHAT, {"messages": []}, 400, "invalid_request_error", "messages"),
     (CHAT, {"messages": "hi"}, 400, "invalid_request_error", "messages"),
@@ -328,6 +334,15 @@ def test_sampling_params_carry_every_field(tok: PreTrainedTokenizerFast) -> None
     assert (p.n, p.best_of, p.num_sequences, p.logprobs, p.prompt_logprobs) == (2, 3, 3, 2, 2)
     assert p.stop_token_ids == (0, 9) and p.logit_bias == ((7, 1.0),) and p.min_tokens == 2
     assert (p.presence_penalty, p.repetition_penalty) == (0.5, 1.1)
+
+
+def test_priority_reaches_the_sampling_params(tok: PreTrainedTokenizerFast) -> None:
+    for body, want in (({}, 0), ({"priority": None}, 0), ({"priority": -3}, -3),
+                       ({"priority": 7.0}, 7)):
+        req = parse_completion_request({"prompt": "x", **body})
+        assert build_sampling_params(req, 3, 64, [0], vocab=len(tok)).priority == want
+    chat = parse_chat_request({"messages": MSG, "priority": 2})
+    assert build_sampling_params(chat, 3, 64, [0], vocab=len(tok)).priority == 2
 
 
 def test_max_tokens_zero_is_only_for_echo_and_runs_one_step() -> None:

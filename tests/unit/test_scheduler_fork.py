@@ -153,7 +153,10 @@ def test_batch_slots_are_reserved_for_siblings() -> None:
     sched.add(Sequence(1, "b", [4, 5], SamplingParams(max_tokens=5)))
     sched.add(Sequence(2, "c", [6, 7], SamplingParams(max_tokens=5)))
     plan = sched.schedule()
-    assert [s.seq_id for s in plan.scheduled] == [0, 1]  # 3 slots for "a", one for "b"
+    # Three requests share 4 rows: "a" reserves its share (1), the others get theirs.
+    # (tests/unit/test_scheduler_fair.py has the rest of the fair-share cases.)
+    assert [s.seq_id for s in plan.scheduled] == [0, 1, 2]
+    assert sched.get(0).fork_rows == 1
     with pytest.raises(ValueError, match="batch size"):
         sched.add(Sequence(3, "d", [1], SamplingParams(max_tokens=2, n=5)))
 

@@ -1,0 +1,288 @@
+"""Fair admission (issue #37 item 5), step by step: a request's share of the batch rows
+(n and best_of count against it), the first token of a request that arrives while a long
+prompt prefills, and `priority` (lower first, as vLLM's). Every case also checks, against
+the pure-Python mirror of the runners, that each sequence's output is the one any schedule
+must give: taking rows back by preemption must never change what a request gets."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.sequence import SeqStatus, Sequence
+from runtime.types import SamplingParams
+from tests.unit.test_scheduler_fork import EOS, VOCAB, CowRunner, first_token, next_token
+
+
+def expected(prompt: list[int], k: int, params: SamplingParams) -> tuple[list[int], str]:
+    """Sibling k's output under any schedule."""
+    out = [first_token(prompt, k)]
+    stop = () if params.ignore_eos else (EOS,)
+    while out[-1] not in stop and len(out) < params.max_tokens:
+        out.append(next_token(prompt + out))
+    return out, "stop" if out[-1] in stop else "length"
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Trace:
+    """What happened to each request: the step of its first token, its outputs."""
+
+    first_token_step: dict[int, int] = field(default_factory=dict)
+    results: dict[tuple[int, int], tuple[list[int], str]] = field(default_factory=dict)
+    max_rows: dict[int, int] = field(default_factory=dict)  # request -> most rows held
+    steps: int = 0
+    sched: Scheduler | None = None
+
+
+def run(cfg: SchedulerConfig, arrivals: list[Arrival], *,
+        on_step: object = None) -> Trace:
+    """Requests join at their step (request r has seq id r); step until all finish."""
+    sched, runner = Scheduler(cfg), CowRunner(cfg.block_size)
+    ids = iter(range(1000, 10**6))
+    index: dict[int, tuple[int, int]] = {}  # seq id -> (request, sibling)
+    trace = Trace(sched=sched)
+    pending = sorted(range(len(arrivals)), key=lambda r: arrivals[r].step)
+    step = 0
+    while pending or sched.has_unfinished():
+        while pending and arrivals[pending[0]].step <= step:
+            r = pending.pop(0)
+            sched.add(Sequence(r, f"req-{r}", list(arrivals[r].prompt), arrivals[r].params))
+            index[r] = (r, 0)
+        plan = sched.schedule()
+        sched.block_manager.check_integrity()
+        assert plan.num_tokens <= cfg.max_num_tokens
+        assert sum(sched._slots(s) for s in sched.running) <= cfg.max_batch_size
+        rows: dict[int, int] = {}
+        for s in sched.running:
+            r = index[s.seq_id][0]
+            rows[r] = rows.get(r, 0) + sched._slots(s)
+        for r, n in rows.items():
+            trace.max_rows[r] = max(trace.max_rows.get(r, 0), n)
+        runner.execute(plan)
+        sampled, forks = {}, {}
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            seq = sched.get(s.seq_id)
+            assert seq is not None
+            tokens = seq.token_ids
+            r, k = index[s.seq_id]
+            sampled[s.seq_id] = first_token(tokens, k) if not seq.output_token_ids \
+                else next_token(tokens)
+            trace.first_token_step.setdefault(r, step)
+            if seq.fork_pending:
+                forks[s.seq_id] = []
+                for k in range(1, seq.params.num_sequences):
+                    cid = next(ids)
+                    index[cid] = (r, k)
+                    forks[s.seq_id].append((cid, first_token(tokens, k)))
+        for seq in sched.update(plan, sampled, forks):
+            if seq.finish_reason is not None:
+                trace.results[index[seq.seq_id]] = (list(seq.output_token_ids),
+                                                    seq.finish_reason)
+        sched.block_manager.check_integrity()
+        if callable(on_step):
+            on_step(step, sched, plan)
+        step += 1
+        assert step < 20_000, "no progress"
+    plan = sched.schedule()
+    runner.execute(plan)
+    sched.update(plan, {})
+    assert sched.block_manager.num_used == 0
+    trace.steps = step
+    for r, a in enumerate(arrivals):
+        for k in range(a.params.n):
+            assert trace.results[(r, k)] == expected(a.prompt, k, a.params), (r, k)
+    return trace
+
+
+def cfg(**kw: object) -> SchedulerConfig:
+    base: dict[str, object] = dict(max_batch_size=8, max_num_tokens=64, block_size=4,
+                                   num_blocks=1 + 256, max_seq_len=256, eos_token_ids=(EOS,))
+    base.update(kw)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % (VOCAB - 1) + 1 for i in range(n)]
+
+
+LONG = dict(max_tokens=60, ignore_eos=True)
+
+# ---- rows: one request cannot hold the batch -----------------------------------------
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_request_holding_every_row_gives_rows_back_to_new_arrivals(caching: bool) -> None:
+    """n=8 takes the whole batch of 8 while alone; three one-token requests that arrive
+    later each get a row (a sibling is preempted for it) within two steps, instead of
+    waiting the 60 steps until the siblings finish."""
+    arrivals = [Arrival(0, prompt(6), SamplingParams(n=8, **LONG))]
+    arrivals += [Arrival(5 + i, prompt(5, salt=i + 1), SamplingParams(max_tokens=1))
+                 for i in range(3)]
+    trace = run(cfg(enable_prefix_caching=caching), arrivals)
+    assert trace.max_rows[0] == 8  # alone, it had every row
+    for r in (1, 2, 3):
+        assert trace.first_token_step[r] - arrivals[r].step <= 1, trace.first_token_step
+    stats = trace.sched.stats()
+    assert stats.rows_reclaimed_total >= 1
+    assert stats.forked_sequences_total == 7
+
+
+def test_a_reservation_shrinks_before_anything_is_preempted() -> None:
+    """While n=8 still prefills, its rows are only reserved: a new arrival takes one of
+    them back for free (no preemption), and the sibling without a row waits."""
+    arrivals = [Arrival(0, prompt(40), SamplingParams(n=8, **LONG)),
+                Arrival(1, prompt(3, salt=9), SamplingParams(max_tokens=2))]
+    seen: list[tuple[int, int]] = []
+
+    def watch(step: int, sched: Scheduler, _plan: object) -> None:
+        parent = sched.get(0)
+        if parent is not None and parent.fork_pending:
+            seen.append((step, parent.fork_rows))
+
+    trace = run(cfg(max_num_tokens=16), arrivals, on_step=watch)
+    assert seen[0] == (0, 8) and seen[1] == (1, 7)
+    assert trace.first_token_step[1] == 1
+    assert trace.sched.stats().preemptions_total == 0
+
+
+def test_siblings_reserve_rows_within_their_share() -> None:
+    sched = Scheduler(SchedulerConfig(4, 64, 4, 64, 128, (EOS,)))
+    sched.add(Sequence(0, "a", [1, 2, 3], SamplingParams(max_tokens=5, n=3)))
+    plan = sched.schedule()
+    assert sched.get(0).fork_rows == 3  # alone: rows for every sibling
+    sched.add(Sequence(1, "b", [4, 5], SamplingParams(max_tokens=5)))
+    sched.add(Sequence(2, "c", [6, 7], SamplingParams(max_tokens=5)))
+    sched.update(plan, {0: 11}, {0: [(10, 12), (11, 13)]})
+    assert [s.seq_id for s in sched.running] == [0, 10, 11]
+    plan = sched.schedule()  # one row free: "b" takes it
+    assert [n.seq_id for n in plan.new_seqs] == [10, 11, 1]
+    sched.update(plan, {s.seq_id: 7 for s in plan.scheduled if s.sample})
+    plan = sched.schedule()  # none free: "a" holds 3 of 4 rows, its share is 1
+    assert plan.freed_seq_ids == [11] and [n.seq_id for n in plan.new_seqs] == [2]
+    assert sched.get(11).status is SeqStatus.WAITING
+    assert sched.stats().rows_reclaimed_total == 1
+
+
+def test_shares_split_the_batch_between_many_n_requests() -> None:
+    """Four n=4 requests on a batch of 8 at once: none holds more than its share of 2 when
+    the others want rows, and all of them get their first token in the first steps."""
+    arrivals = [Arrival(0, prompt(5, salt=i), SamplingParams(n=4, max_tokens=12,
+                                                             ignore_eos=True))
+                for i in range(4)]
+    trace = run(cfg(), arrivals)
+    assert all(trace.first_token_step[r] <= 1 for r in range(4)), trace.first_token_step
+    assert all(trace.max_rows[r] <= 4 for r in range(4))
+
+
+# ---- time to first token behind a long prompt -----------------------------------------
+
+
+@pytest.mark.parametrize("decode_cap", [None, 16])
+def test_a_short_request_is_not_held_back_by_a_long_prefill(decode_cap: int | None) -> None:
+    """A 240-token prompt takes 8 steps of 32 tokens. A 5-token request that arrives at
+    its second step gets its first token in that step; the long prompt still gets at
+    least half of the step's prompt tokens."""
+    arrivals = [Arrival(0, prompt(240), SamplingParams(max_tokens=4)),
+                Arrival(1, prompt(5, salt=3), SamplingParams(max_tokens=4))]
+    chunks: list[int] = []
+
+    def watch(step: int, _sched: Scheduler, plan: object) -> None:
+        for s in plan.scheduled:  # type: ignore[attr-defined]
+            if s.seq_id == 0 and s.num_new_tokens > 1:
+                chunks.append(s.num_new_tokens)
+
+    extra = {} if decode_cap is None else dict(max_prefill_tokens_while_decoding=decode_cap)
+    if decode_cap is not None:  # something decodes the whole time: the cap applies
+        arrivals.append(Arrival(0, prompt(3, salt=5), SamplingParams(**LONG)))
+    trace = run(cfg(max_num_tokens=32, **extra), arrivals, on_step=watch)
+    assert trace.first_token_step[1] == 1
+    step_prompt = decode_cap or 32
+    assert min(chunks) >= step_prompt // 2 and sum(chunks) == 240
+
+
+def test_many_short_arrivals_do_not_starve_the_long_prompt() -> None:
+    """A short request arrives every step: each gets its first token in its arrival
+    step, and the long prompt still finishes within twice its unhindered steps."""
+    arrivals = [Arrival(0, prompt(240), SamplingParams(max_tokens=2))]
+    arrivals += [Arrival(1 + i, prompt(4, salt=i), SamplingParams(max_tokens=2))
+                 for i in range(20)]
+    trace = run(cfg(max_num_tokens=32), arrivals)
+    assert all(trace.first_token_step[r] == arrivals[r].step for r in range(1, 21))
+    assert trace.first_token_step[0] <= 2 * 240 // 32
+
+
+# ---- priority ---------------------------------------------------------------------------
+
+
+def test_a_high_priority_request_overtakes_waiting_low_ones() -> None:
+    """The batch is full; three requests wait (priority 5), then one with priority -1
+    arrives: it is admitted first when a row frees, the others in arrival order."""
+    arrivals = [Arrival(0, prompt(4, salt=i), SamplingParams(max_tokens=3 + 2 * i))
+                for i in range(2)]
+    arrivals += [Arrival(1, prompt(4, salt=10 + i), SamplingParams(max_tokens=3, priority=5))
+                 for i in range(3)]
+    arrivals.append(Arrival(2, prompt(4, salt=20), SamplingParams(max_tokens=3, priority=-1)))
+    trace = run(cfg(max_batch_size=2), arrivals)
+    firsts = trace.first_token_step
+    assert firsts[5] < min(firsts[2], firsts[3], firsts[4])
+    assert firsts[2] <= firsts[3] <= firsts[4]
+
+
+def test_the_pool_preempts_the_least_important_first() -> None:
+    """Blocks run out: the victim is the lowest-priority sequence, not the last arrival."""
+    sched = Scheduler(cfg(num_blocks=1 + 20, max_seq_len=128))
+    sched.add(Sequence(0, "low", prompt(8), SamplingParams(priority=3, **LONG)))
+    plan = sched.schedule()
+    sched.update(plan, {0: 5})
+    sched.add(Sequence(1, "high", prompt(8, salt=1), SamplingParams(priority=0, **LONG)))
+    preempted = None
+    for _ in range(40):
+        plan = sched.schedule()
+        sched.update(plan, {s.seq_id: 5 for s in plan.scheduled if s.sample})
+        if sched.stats().preemptions_total:
+            preempted = [s.seq_id for s in sched.waiting]
+            break
+    assert preempted == [0]
+    assert [s.seq_id for s in sched.running] == [1]
+
+
+def test_priority_is_validated() -> None:
+    for bad in (True, 1.5, "1", 2**31, -(2**31) - 1):
+        with pytest.raises(ValueError, match="priority"):
+            SamplingParams(priority=bad)  # type: ignore[arg-type]
+    assert SamplingParams(priority=-(2**31)).priority == -(2**31)
+
+
+# ---- everything at once ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(max_batch_size=4, max_num_tokens=16, num_blocks=1 + 30),
+    dict(max_batch_size=4, max_num_tokens=16, num_blocks=1 + 30, enable_prefix_caching=True),
+    dict(max_num_tokens=24, max_prefill_tokens_while_decoding=6, enable_prefix_caching=True),
+], ids=["roomy", "tight", "tight-cache", "decode-cap"])
+def test_random_mixes_give_every_sequence_its_own_output(seed: int, kw: dict) -> None:
+    rng = random.Random(seed)
+    arrivals = []
+    for _ in range(24):
+        n = rng.choice([1, 1, 1, 2, 4, 8]) if kw.get("max_batch_size") != 4 else \
+            rng.choice([1, 1, 2, 4])
+        arrivals.append(Arrival(rng.randint(0, 30),
+                                prompt(rng.randint(1, 50), salt=rng.randrange(VOCAB)),
+                                SamplingParams(n=n, max_tokens=rng.randint(1, 20),
+                                               priority=rng.choice([0, 0, -1, 2]))))
+    run(cfg(**kw), arrivals)  # asserts each output and the rows bound
