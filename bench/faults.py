@@ -15,6 +15,9 @@ or a rank log. A hard timeout (--hard-timeout) kills what is left, so nothing ha
   warmup-sigterm    SIGTERM to the launcher inside the warmup gate
   rm-engine-load    the engine directory removed inside the load gate, before any shard is
                     read: the job must end, naming the file it could not read
+  rm-engine-verify  the engine directory removed inside the verify gate: an aoti engine
+                    reads its compiled package there (it must end, naming it), an eager
+                    engine has read everything (it must serve on)
   rm-engine-connect the engine directory removed inside the connect gate, after every file
                     was read and verified: it must become ready and serve, then drain
   rm-engine-ready   the engine directory removed once ready: it keeps serving, then drains
@@ -449,6 +452,7 @@ SCENARIOS: dict[str, Callable[[Ctx], Row]] = {
     "traffic-kill0": lambda c: sc_traffic_kill(c, 0),
     "warmup-sigterm": sc_warmup_sigterm,
     "rm-engine-load": lambda c: sc_rm_engine_at(c, "load"),
+    "rm-engine-verify": lambda c: sc_rm_engine_at(c, "verify"),
     "rm-engine-connect": lambda c: sc_rm_engine_at(c, "connect"),
     "rm-engine-ready": sc_rm_engine_ready,
     "engine-fault": sc_engine_fault,
