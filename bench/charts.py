@@ -52,6 +52,25 @@ def waterfall(
     return _save(fig, path)
 
 
+def rss_curve(series: list[dict[str, Any]], path: Path, mid_s: float | None = None,
+              title: str = "Soak: RSS of each rank's serving process") -> Path:
+    """VmRSS (MiB) of each rank over the soak; a mark at its middle, where the halves meet."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    ranks = sorted({int(r) for row in series for r in row["rss_kib"]})
+    for rank in ranks:
+        pts = [(row["t"], row["rss_kib"].get(rank, row["rss_kib"].get(str(rank))))
+               for row in series]
+        pts = [(t, v / 1024) for t, v in pts if v is not None]
+        ax.plot([t for t, _ in pts], [v for _, v in pts], marker=".", label=f"rank {rank}")
+    if mid_s is not None:
+        ax.axvline(mid_s, color="gray", ls=":", label="middle of the traffic")
+    ax.set_xlabel("seconds of traffic")
+    ax.set_ylabel("RSS, MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
 def throughput(
     series: dict[str, list[tuple[int, float]]],
     baseline: list[tuple[int, float]],

@@ -8,16 +8,32 @@ launcher exited and no process naming the job's run directory alive (mpirun, the
 supervisors, the detached rank workers). The cause must be named in the launcher's stderr
 or a rank log. A hard timeout (--hard-timeout) kills what is left, so nothing hangs here.
 
-  load-kill1       kill -9 of rank 1's worker while the load gate runs
-  warmup-kill1     kill -9 of rank 1's worker while the warmup gate runs
-  traffic-kill1    kill -9 of rank 1's worker with requests streaming
-  traffic-kill0    kill -9 of rank 0's worker with requests streaming
-  warmup-sigterm   SIGTERM to the launcher while the warmup gate runs
-  rm-engine-gates  the engine directory removed while the gates run (right after launch)
-  rm-engine-ready  the engine directory removed once ready: it keeps serving, then drains
-  engine-fault     the engine loop fails under traffic (AOTLLM_INJECT_FAULT_AT_STEP)
+  load-kill1        kill -9 of rank 1's worker inside the load gate
+  warmup-kill1      kill -9 of rank 1's worker inside the warmup gate
+  traffic-kill1     kill -9 of rank 1's worker with requests streaming
+  traffic-kill0     kill -9 of rank 0's worker with requests streaming
+  warmup-sigterm    SIGTERM to the launcher inside the warmup gate
+  rm-engine-load    the engine directory removed inside the load gate, before any shard is
+                    read: the job must end, naming the file it could not read
+  rm-engine-verify  the engine directory removed inside the verify gate: an aoti engine
+                    reads its compiled package there (it must end, naming it), an eager
+                    engine has read everything (it must serve on)
+  rm-engine-connect the engine directory removed inside the connect gate, after every file
+                    was read and verified: it must become ready and serve, then drain
+  rm-engine-ready   the engine directory removed once ready: it keeps serving, then drains
+  engine-fault      the engine loop fails under traffic (AOTLLM_INJECT_FAULT_AT_STEP)
 
-Over --limit seconds (10), no named cause, or a client left hanging is a finding (exit 1).
+A fault "inside gate G" lands there on any machine, fast or slow: the job runs with
+AOTLLM_INJECT_GATE_HOLD=G:DIR, every rank stops inside G (running, its body not started)
+and says so in DIR, the harness checks on /v1/engine that G is the gate running, injects
+the fault, and only then releases the ranks. The gate seen running is the summary's
+"fault landed" column; a fault that landed elsewhere is a finding.
+
+A scenario's verdict depends on which side of the engine's reads its fault is: before
+(the load gate, or the verify gate of an aoti engine, which reads its compiled package
+there) the job must end within --limit seconds (10) with its cause named; after, the
+server must keep serving from memory and drain cleanly. A hang, an unnamed cause, a client
+left waiting, or an outcome of the wrong side is a finding (exit 1).
 Written to bench/results/<UTC stamp>-faults/.
 """
 
@@ -39,16 +55,28 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from bench import common
 from bench.job import Job, build_demo_engine, http, launch, metric
 from bench.soak import PROFILE
 from bench.traffic import send
 from bench.traffic_mix import Req, Result
-from runtime.env import INJECT_FAULT_AT_STEP
+from runtime.env import INJECT_FAULT_AT_STEP, INJECT_GATE_HOLD
+from serve.startup import GATES, HOLD_RELEASE
 
 FAULT_ENV = INJECT_FAULT_AT_STEP.name
+Expect = Literal["end", "serve"]  # the job ends with its cause named | it keeps serving
+
+
+def expect_after_rm(gate: str, backend: str) -> Expect:
+    """What removing the engine directory inside `gate` must lead to. Up to the load gate
+    the shards are not in memory yet: the job ends, naming the file. An aoti engine's
+    verify gate still reads its compiled package (the verified private copy the kernels
+    gate loads); an eager engine reads nothing after load. From connect on, every file is
+    in memory or in the worker's private copy: the server serves on."""
+    last_read = "verify" if backend == "aoti" else "load"
+    return "end" if GATES.index(gate) <= GATES.index(last_read) else "serve"
 
 
 @dataclass
@@ -63,10 +91,14 @@ class Row:
     clients: str = ""  # what the clients got, where there were clients
     clients_ok: bool = True
     hit: str = ""  # where the fault actually landed (the gate running at the time)
+    gate: str = ""  # the gate the scenario means to hit; "" when not a gate's scenario
+    expect: Expect = "end"  # "serve": the server keeps serving; `seconds` is then the drain's
     notes: list[str] = field(default_factory=list)
 
     def findings(self, limit: float) -> list[str]:
         out = []
+        if self.gate and self.hit != self.gate:
+            out.append(f"landed in {self.hit or 'no gate'}, not in {self.gate}")
         if self.seconds is None:
             out.append("HANG: the job did not end (killed by the harness)")
         elif self.seconds > limit:
@@ -75,6 +107,8 @@ class Row:
             out.append("cause not named")
         if not self.clients_ok:
             out.append("clients: " + self.clients)
+        if self.expect == "serve" and self.exit_code != 0:
+            out.append(f"should have kept serving and drained; exited {self.exit_code}")
         return out
 
 
@@ -84,7 +118,7 @@ class Row:
 class Clients:
     """A few long requests (streams and not) on a background event loop."""
 
-    def __init__(self, job: Job, model: str, n: int, max_tokens: int = 200,
+    def __init__(self, job: Job, model: str, n: int, vocab: int, max_tokens: int = 200,
                  timeout_s: float = 60.0) -> None:
         self.results: list[Result] = []
         self.done = threading.Event()
@@ -94,7 +128,8 @@ class Clients:
             stream = i % 2 == 0
             body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": stream,
-                    "prompt": [rng.randrange(100, 40000) for _ in range(rng.randint(8, 64))]}
+                    "prompt": [rng.randrange(min(100, vocab // 2), min(40000, vocab))
+                               for _ in range(rng.randint(8, 64))]}
             reqs.append(Req("stream" if stream else "completion", "/v1/completions", body,
                             len(body["prompt"])))
         self._thread = threading.Thread(target=self._run, args=(job.port, reqs, timeout_s),
@@ -204,26 +239,29 @@ def serving(job: Job, n: int) -> bool:
             and (metric(page, "llmserve_generation_tokens_total") or 0) > 4 * n)
 
 
-def gate_hit(job: Job, gate: str, timeout: float, poll_s: float = 0.01) -> str | None:
-    """Poll /v1/engine until `gate` runs; returns the gate seen running at the end (None if
-    the job ended first or nothing was seen)."""
-    seen = None
-    deadline = time.monotonic() + timeout
-    gates = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate",
-             "kernels", "warmup")
-    while time.monotonic() < deadline and job.proc.poll() is None:
-        cur = job.running_gate()
-        if cur is not None:
-            seen = cur
-            if cur == gate or gates.index(cur) > gates.index(gate):
-                return cur
-        elif seen is not None:  # no gate running: between two gates or past the last
-            report = job.get_json("/v1/engine", timeout=2)
-            passed = [g["name"] for g in (report or {}).get("gates", []) if g["state"] == "passed"]
-            if gate in passed:
-                return f"after {passed[-1]}"
-        time.sleep(poll_s)
-    return seen
+def hold_at(job: Job, hold: Path, gate: str, timeout: float = 180.0) -> str:
+    """Wait until every rank is held inside `gate` (see the module's docstring); returns
+    the gate rank 0 reports running on /v1/engine then, which is where a fault injected now
+    lands. Raises when the job ends first or the ranks never get there."""
+    markers = [hold / f"held.rank{r}" for r in range(job.tp)]
+    if not wait_for(lambda: all(m.exists() for m in markers) or job.proc.poll() is not None,
+                    timeout, 0.02) or job.proc.poll() is not None:
+        raise RuntimeError(f"the ranks were not held in the {gate} gate within {timeout:.0f} s "
+                           f"(launcher exit {job.proc.poll()}): {job.stderr()[-600:]}")
+    seen: list[str] = []  # the HTTP side of rank 0 may come up just after the hold began
+
+    def probe() -> bool:
+        gate_now = job.running_gate()
+        if gate_now is not None:
+            seen.append(gate_now)
+        return gate_now is not None
+
+    wait_for(probe, 30, 0.05)
+    return seen[-1] if seen else "unknown"
+
+
+def release(hold: Path) -> None:
+    (hold / HOLD_RELEASE).touch()
 
 
 # ---- scenarios ---------------------------------------------------------------------------
@@ -233,16 +271,12 @@ PEER_GONE = [r"was killed by SIG", r"peer rank is gone", r"lost the other ranks"
 
 
 def sc_kill1_at_gate(ctx: Ctx, gate: str) -> Row:
-    row = Row(f"{gate}-kill1", f"kill -9 rank 1 worker during the {gate} gate")
-    job = ctx.launch(row.name)
+    row = Row(f"{gate}-kill1", f"kill -9 rank 1 worker inside the {gate} gate", gate=gate)
+    job, hold = ctx.launch_held(row.name, gate)
     try:
-        if not wait_for(lambda: 1 in job.worker_pids(), 120):
-            raise RuntimeError("rank 1 never wrote its pid")
-        row.hit = gate_hit(job, gate, 120) or "unknown"
-        if gate == "warmup" and row.hit == "warmup":
-            time.sleep(0.3)  # well inside the gate, not at its first instant
+        row.hit = hold_at(job, hold, gate)
         fault = kill_rank(job, 1)
-        row.hit = f"gate running: {row.hit}"
+        release(hold)
         finish(row, job, fault, ctx.hard_timeout, PEER_GONE)
     finally:
         job.kill_all()
@@ -254,10 +288,11 @@ def sc_traffic_kill(ctx: Ctx, rank: int) -> Row:
     job = ctx.launch(row.name)
     try:
         job.wait_ready()
-        clients = Clients(job, model_id(job), 4)
+        clients = Clients(job, model_id(job), 4, ctx.vocab)
         if not wait_for(lambda: serving(job, 4), 120, 0.1):
             row.notes.append("the 4 requests were not all running before the kill")
         fault = kill_rank(job, rank)
+        row.hit = "serving"
         patterns = PEER_GONE if rank == 1 else [r"was killed by SIG", r"lost rank 0", r"peer rank is gone",
                                                 r"lost the other ranks", r"supervisor died",
                                                 r"rank 0"]
@@ -269,13 +304,13 @@ def sc_traffic_kill(ctx: Ctx, rank: int) -> Row:
 
 
 def sc_warmup_sigterm(ctx: Ctx) -> Row:
-    row = Row("warmup-sigterm", "SIGTERM to the launcher during the warmup gate")
-    job = ctx.launch(row.name)
+    row = Row("warmup-sigterm", "SIGTERM to the launcher inside the warmup gate", gate="warmup")
+    job, hold = ctx.launch_held(row.name, "warmup")
     try:
-        row.hit = f"gate running: {gate_hit(job, 'warmup', 120) or 'unknown'}"
-        time.sleep(0.3)
+        row.hit = hold_at(job, hold, "warmup")
         job.signal_launcher(signal.SIGTERM)
         fault = time.time()
+        release(hold)  # a stop signal ends the hold by itself; this is belt and braces
         finish(row, job, fault, ctx.hard_timeout,
                [r"shutdown requested", r"SIGTERM", r"drain"])
     finally:
@@ -290,51 +325,71 @@ def _writable_copy(engine: Path, dst: Path) -> Path:
     return dst
 
 
-def sc_rm_engine_gates(ctx: Ctx) -> Row:
-    row = Row("rm-engine-gates", "rm -rf of the engine directory while the gates run")
+def sc_rm_engine_at(ctx: Ctx, gate: str) -> Row:
+    """rm -rf of the engine directory inside `gate`; the verdict's side from
+    expect_after_rm: the job ends naming the file, or it serves on and drains."""
+    from contract.manifest import read_manifest
+
+    expect = expect_after_rm(gate, read_manifest(ctx.engine).backend)
+    row = Row(f"rm-engine-{gate}", f"rm -rf of the engine directory inside the {gate} gate "
+              + ("(the job must end naming the file)" if expect == "end" else
+                 "(it must serve from memory; time is SIGTERM -> gone)"),
+              gate=gate, expect=expect)
     engine = _writable_copy(ctx.engine, ctx.out / row.name / "engine")
-    job = ctx.launch(row.name, engine=engine)
+    job, hold = ctx.launch_held(row.name, gate, engine=engine)
     try:
-        # As soon as the HTTP side is up (the ranks have started and read the manifest or
-        # are about to): the worst case, files vanish between the gates' reads.
-        row.hit = f"gate running: {gate_hit(job, 'resolve', 120) or 'unknown'}"
+        row.hit = hold_at(job, hold, gate)
         shutil.rmtree(engine)
         fault = time.time()
-        finish(row, job, fault, ctx.hard_timeout,
-               [r"gate \w+ failed.*(No such file|not found|missing|does not exist|FileNotFound)",
-                r"gate \w+ failed"])
+        release(hold)
+        if expect == "end":
+            # The cause must name what could not be read: a file of the engine.
+            finish(row, job, fault, ctx.hard_timeout,
+                   [rf"gate {gate} failed.*(rank\d+\.\w+|manifest\.json|\.so|\.pt2|"
+                    r"No such file|cannot read)"])
+        else:
+            serve_then_drain(row, job, ctx.vocab, ctx.hard_timeout)
     finally:
         job.kill_all()
     return row
 
 
+def serve_then_drain(row: Row, job: Job, vocab: int, hard_timeout: float) -> None:
+    """The server, its engine directory gone, must get ready, answer 200 to streams,
+    completions and a chat, and then drain on SIGTERM with exit 0."""
+    try:
+        job.wait_ready(120)
+    except RuntimeError as e:
+        row.clients, row.clients_ok = f"never ready: {str(e).splitlines()[0]}", False
+        finish(row, job, time.time(), hard_timeout, [r"gate \w+ failed"])
+        return
+    model = model_id(job)
+    clients = Clients(job, model, 4, vocab, max_tokens=24)
+    text, ok = clients.summary(120)
+    chat = http(job.port, "POST", "/v1/chat/completions",
+                {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 8}, timeout=60)[0]
+    engine_report = http(job.port, "GET", "/v1/engine")[0]
+    ready = http(job.port, "GET", "/health/ready")[0]
+    row.clients = f"{text}; chat {chat}, /v1/engine {engine_report}, ready {ready}"
+    row.clients_ok = ok and all(r.outcome == "complete" for r in clients.results) \
+        and chat == 200 and ready == 200
+    if row.clients_ok:
+        row.notes.append("kept serving from memory: every request answered 200")
+    job.signal_launcher(signal.SIGTERM)
+    finish(row, job, time.time(), hard_timeout, [r"drained", r"draining"])
+
+
 def sc_rm_engine_ready(ctx: Ctx) -> Row:
     row = Row("rm-engine-ready", "rm -rf of the engine directory once ready; then traffic; "
-              "then SIGTERM (time is SIGTERM -> gone)")
+              "then SIGTERM (time is SIGTERM -> gone)", expect="serve")
     engine = _writable_copy(ctx.engine, ctx.out / row.name / "engine")
     job = ctx.launch(row.name, engine=engine)
     try:
         job.wait_ready()
         shutil.rmtree(engine)
         row.hit = "after admission"
-        model = model_id(job)
-        clients = Clients(job, model, 4, max_tokens=24)
-        text, ok = clients.summary(120)
-        chat = http(job.port, "POST", "/v1/chat/completions",
-                    {"model": model, "messages": [{"role": "user", "content": "Hi"}],
-                     "max_tokens": 8}, timeout=60)[0]
-        engine_report = http(job.port, "GET", "/v1/engine")[0]
-        ready = http(job.port, "GET", "/health/ready")[0]
-        row.clients = f"{text}; chat {chat}, /v1/engine {engine_report}, ready {ready}"
-        row.clients_ok = ok and all(r.outcome == "complete" for r in clients.results) \
-            and chat == 200 and ready == 200
-        if row.clients_ok:
-            row.notes.append("kept serving from memory: every request answered 200")
-        job.signal_launcher(signal.SIGTERM)
-        fault = time.time()
-        finish(row, job, fault, ctx.hard_timeout, [r"drained", r"draining"])
-        if row.exit_code != 0:
-            row.notes.append(f"the drain after the removal exited {row.exit_code}")
+        serve_then_drain(row, job, ctx.vocab, ctx.hard_timeout)
     finally:
         job.kill_all()
     return row
@@ -345,11 +400,12 @@ def sc_engine_fault(ctx: Ctx) -> Row:
     job = ctx.launch(row.name, env={FAULT_ENV: "60"})
     try:
         job.wait_ready()
-        clients = Clients(job, model_id(job), 4)
+        clients = Clients(job, model_id(job), 4, ctx.vocab)
         pattern = r"the engine failed: RuntimeError: fault injected"
         if not wait_for(lambda: re.search(pattern, job.rank_log(0)) is not None, 120, 0.02):
             raise RuntimeError("the injected fault never fired")
         fault = time.time()
+        row.hit = "serving"
         # The log line's own timestamp is when the fault was handled; use it when earlier.
         line = next(ln for ln in job.rank_log(0).splitlines() if re.search(pattern, ln))
         m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
@@ -374,12 +430,19 @@ class Ctx:
     tp: int
     out: Path
     hard_timeout: float
+    vocab: int  # the clients' prompts are token ids below it
 
     def launch(self, name: str, engine: Path | None = None,
                env: dict[str, str] | None = None) -> Job:
         print(f"--- {name}", flush=True)
         return launch(engine or self.engine, self.out / name, self.tp,
                       ["--drain-timeout", "30"], env=env)
+
+    def launch_held(self, name: str, gate: str, engine: Path | None = None) -> tuple[Job, Path]:
+        """A job whose ranks stop inside `gate` until the harness releases them."""
+        hold = (self.out / name / "hold").resolve()
+        hold.mkdir(parents=True, exist_ok=True)
+        return self.launch(name, engine, {INJECT_GATE_HOLD.name: f"{gate}:{hold}"}), hold
 
 
 SCENARIOS: dict[str, Callable[[Ctx], Row]] = {
@@ -388,7 +451,9 @@ SCENARIOS: dict[str, Callable[[Ctx], Row]] = {
     "traffic-kill1": lambda c: sc_traffic_kill(c, 1),
     "traffic-kill0": lambda c: sc_traffic_kill(c, 0),
     "warmup-sigterm": sc_warmup_sigterm,
-    "rm-engine-gates": sc_rm_engine_gates,
+    "rm-engine-load": lambda c: sc_rm_engine_at(c, "load"),
+    "rm-engine-verify": lambda c: sc_rm_engine_at(c, "verify"),
+    "rm-engine-connect": lambda c: sc_rm_engine_at(c, "connect"),
     "rm-engine-ready": sc_rm_engine_ready,
     "engine-fault": sc_engine_fault,
 }
@@ -417,13 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from contract.manifest import read_manifest
+    from runtime.checkpoint import load_engine_model_config
 
     engine = args.engine or build_demo_engine(common.REPO / "engines", args.tp, PROFILE)
     tp = read_manifest(engine).tp
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or common.RESULTS / f"{stamp}-faults"
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(engine, tp, out, args.hard_timeout)
+    vocab = load_engine_model_config(engine).vocab_size
+    ctx = Ctx(engine, tp, out, args.hard_timeout, vocab)
     rows: list[Row] = []
     for name in args.only or list(SCENARIOS):
         try:

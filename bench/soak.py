@@ -38,13 +38,38 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import charts, common
 from bench.job import Job, build_demo_engine, http, launch, metric, metric_sum
 from bench.traffic import TrafficReport, run_traffic
 from bench.traffic_mix import OUTCOMES, RequestMaker, Workload
 
 PROFILE = ("--max-seq-len", "512", "--max-batch-size", "8", "--max-num-tokens", "256")
 KV_SETTLE_S = 15.0  # after the last request, how long KV blocks may take to come back
+# A plateau is judged on soaks of 10 minutes or more: shorter ones are still warming caps
+# (allocator arenas, the prefix cache, grammar caches) and say nothing about a leak.
+PLATEAU_MIN_S = 600.0
+PLATEAU_PCT = 2.0
+
+
+def rss_plateau(series: list[dict[str, Any]], wall_s: float) -> dict[int, dict[str, Any]]:
+    """Per rank: RSS growth over the first and the second half of the traffic (from the
+    first sample to the one nearest the middle, from there to the last), and whether the
+    second half grew less than PLATEAU_PCT % of the RSS at the middle."""
+    out: dict[int, dict[str, Any]] = {}
+    ranks = sorted({int(r) for row in series for r in row["rss_kib"]})
+    for rank in ranks:
+        pts = [(row["t"], row["rss_kib"].get(rank)) for row in series]
+        pts = [(t, v) for t, v in pts if v is not None]
+        if len(pts) < 3:
+            continue
+        mid = min(pts, key=lambda p: abs(p[0] - wall_s / 2))
+        first, last = pts[0][1], pts[-1][1]
+        second = last - mid[1]
+        pct = round(100.0 * second / mid[1], 2)
+        out[rank] = {"start_kib": first, "mid_kib": mid[1], "end_kib": last, "mid_t": mid[0],
+                     "first_half_kib": mid[1] - first, "second_half_kib": second,
+                     "second_half_pct": pct, "ok": pct < PLATEAU_PCT}
+    return out
 
 
 def _now() -> str:
@@ -242,6 +267,15 @@ class Soak:
                    f"exit {drain['exit']} ranks {drain['ranks']} in {drain['seconds']} s"
                    + (f", left {drain['left']}" if drain["left"] else ""))
 
+        plateau = rss_plateau(self.rss_series, rep.wall_s)
+        if a.duration >= PLATEAU_MIN_S:
+            self.check("RSS plateaus: the second half grows < 2 % of the mid-soak RSS",
+                       all(p["ok"] for p in plateau.values()),
+                       "; ".join(f"rank {r}: {_mib(p['first_half_kib'])} MiB in the first "
+                                 f"half, {_mib(p['second_half_kib'])} MiB in the second "
+                                 f"({p['second_half_pct']} % of {_mib(p['mid_kib'])} MiB)"
+                                 for r, p in plateau.items()))
+
         # ---- figures -----------------------------------------------------------------
         done = [r for r in results if r.outcome == "complete"]
         tokens = sum(max(r.completion_tokens, 0) for r in done)
@@ -266,12 +300,13 @@ class Soak:
                             round(delta["generation_tokens"] / rep.wall_s, 2)},
             "server_counters_delta": delta,
             "kv_after": kv, "kv_settle_s": None if settle_s is None else round(settle_s, 2),
-            "rss": rss, "rss_series": self.rss_series, "drain": drain,
+            "rss": rss, "rss_plateau": plateau, "rss_series": self.rss_series, "drain": drain,
             "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in self.checks],
             "results": [r.to_dict() for r in results],
         })
         failed = [n for n, ok, _ in self.checks if not ok]
         self.res["passed"] = not failed
+        charts.rss_curve(self.rss_series, self.out / "rss.png", rep.wall_s / 2)
         self._write()
         print(self._markdown(), flush=True)
         print(f"wrote {self.out}/summary.md and summary.json", flush=True)
@@ -325,6 +360,15 @@ class Soak:
             [(rank, _mib(v["before_kib"]), _mib(v["mid_kib"]), _mib(v["after_kib"]),
               _mib(v["peak_kib"]), _mib(v["growth_kib"]), _mib(v["second_half_growth_kib"]))
              for rank, v in r["rss"].items()])
+        lines += ["", "Plateau (the halves of the traffic; judged from "
+                  f"{PLATEAU_MIN_S / 60:.0f} minutes on, < {PLATEAU_PCT:.0f} % of the "
+                  "mid-soak RSS in the second half); the curve is rss.png:", ""]
+        lines += common.md_table(
+            ["rank", "start", "middle", "end", "1st-half growth", "2nd-half growth",
+             "2nd half, % of middle"],
+            [(rank, _mib(p["start_kib"]), _mib(p["mid_kib"]), _mib(p["end_kib"]),
+              _mib(p["first_half_kib"]), _mib(p["second_half_kib"]), p["second_half_pct"])
+             for rank, p in r["rss_plateau"].items()])
         return "\n".join(lines) + "\n"
 
 
@@ -335,7 +379,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="engine directory (default: build the eager SmolLM2 demo engine)")
     ap.add_argument("--tp", type=int, default=2, help="TP of the engine built by default")
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
-    ap.add_argument("--max-requests", type=int, default=5000)
+    ap.add_argument("--max-requests", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=6, help="steady clients")
     ap.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
     ap.add_argument("--burst-size", type=int, default=0, help="default 3 x --max-queue")

@@ -76,6 +76,11 @@ INJECT_GATE_DELAY = EnvVar(
     "AOTLLM_INJECT_GATE_DELAY", "GATE:SECONDS,...", None,
     "holds every rank at the start of those gates (a stop signal ends a hold), so a signal "
     "or probe lands while start-up is in progress", "serve/startup.py", "test")
+INJECT_GATE_HOLD = EnvVar(
+    "AOTLLM_INJECT_GATE_HOLD", "GATE:DIR", None,
+    "holds every rank inside that gate (running, before its body) until DIR/release exists "
+    "or a stop signal arrives; each rank writes DIR/held.rank{N} when held, so a fault lands "
+    "in the gate it names on any machine (bench/faults.py)", "serve/startup.py", "test")
 KEEP_BINDING = EnvVar(
     "AOTLLM_KEEP_BINDING", "flag", "0",
     "1: keep a CPU binding mpirun gave a rank instead of widening it to the rank's share of "
@@ -119,7 +124,8 @@ BENCH_HF_DIR = EnvVar(
 
 REGISTRY: tuple[EnvVar, ...] = (
     API_KEY, BINDING, BOOT_SOCK, CPU_ISA, GC_FREEZE, GOLDEN_TIMEOUT, GPU_SM,
-    INJECT_FAULT_AT_STEP, INJECT_GATE_DELAY, KEEP_BINDING, LAUNCH_TIME, MPIRUN, PARENT_FD,
+    INJECT_FAULT_AT_STEP, INJECT_GATE_DELAY, INJECT_GATE_HOLD, KEEP_BINDING, LAUNCH_TIME,
+    MPIRUN, PARENT_FD,
     PEER_TIMEOUT, RENDEZVOUS, STORE_DEADLINE, THP, CACHE, BENCH_HF_DIR,
 )
 

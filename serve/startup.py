@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from contract.manifest import Manifest
 from runtime.comm import Comm
 from runtime.engine_files import EngineFiles
 from runtime.engine_source import EngineSource, Pinned, StoreSource, open_source
-from runtime.env import INJECT_GATE_DELAY
+from runtime.env import INJECT_GATE_DELAY, INJECT_GATE_HOLD
 from runtime.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
 from serve.backends import Backend, make_backend
@@ -34,6 +35,13 @@ log = logging.getLogger("serve")
 # of those gates (a stop signal ends a hold), so a signal or a probe lands while start-up is
 # certainly in progress however fast the gates are.
 GATE_DELAY_ENV = INJECT_GATE_DELAY.name
+# Fault injection for the fault harness: "GATE:DIR" holds every rank inside GATE (its state
+# is running, its body has not started) until DIR/release appears, after writing
+# DIR/held.rank{N}. The harness injects its fault while every rank is held, then releases
+# them, so the fault lands in the gate it names whatever the machine's speed.
+GATE_HOLD_ENV = INJECT_GATE_HOLD.name
+HOLD_RELEASE = "release"
+HOLD_CAP_S = 300.0  # a harness that died without releasing does not hold a rank forever
 # Gate 10, admission, is rank 0's alone (serve/rank0.py).
 GATES = ("resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
          "warmup")
@@ -73,6 +81,19 @@ class Startup:
         while time.monotonic() < t_end and not self.interrupted():
             time.sleep(0.02)
 
+    def _injected_hold(self, name: str) -> None:
+        gate, _, where = (INJECT_GATE_HOLD.raw() or "").partition(":")
+        if gate != name or not where:
+            return
+        held = Path(where)
+        tmp = held / f".held.rank{self.rank}.tmp"
+        tmp.write_text(f"{os.getpid()} {time.time()}")
+        tmp.rename(held / f"held.rank{self.rank}")  # whole, or not there at all
+        t_end = time.monotonic() + HOLD_CAP_S
+        while (time.monotonic() < t_end and not self.interrupted()
+               and not (held / HOLD_RELEASE).exists()):
+            time.sleep(0.01)
+
     def gate(self, name: str, body: Callable[[Evidence], None]) -> None:
         """Run one gate here, then agree with every rank on its outcome. A body may leave
         facts about its host in evidence[HOST_FACTS]: rank 0 records every rank's, by host."""
@@ -84,6 +105,9 @@ class Startup:
         else:
             try:
                 with self.log.run(name) as evidence:
+                    self._injected_hold(name)
+                    if self.interrupted():
+                        raise shutdown_requested(name)
                     body(evidence)
                     facts = evidence.pop(HOST_FACTS, None)
             except GateFailure as e:

@@ -126,8 +126,12 @@ class TorchBackend(Backend):
     def load(self, ev: Evidence) -> None:
         name = rank_shard(self.rank)
         entry = self.files.require(name)
-        fl = self._floors(name, entry.size)
-        self.shard, how = self.source.load_shard(name, self.device)
+        try:
+            fl = self._floors(name, entry.size)
+            self.shard, how = self.source.load_shard(name, self.device)
+        except OSError as e:  # the engine directory changed under us (removed, unmounted)
+            raise GateFailure("load", f"cannot read {name} ({e.strerror or e})",
+                              f"restore or rebuild the engine in {self.source.where}") from None
         shard = self.shard
         self.loaded = {name: shard.sha256}
         floor_key = "store_read_gbps" if how["from"] == "store" else "storage_read_gbps"

@@ -125,3 +125,18 @@ def test_requests_drawn_respect_the_context_limit_as_labelled() -> None:
         if isinstance(req.body.get("prompt"), list):
             assert len(req.body["prompt"]) == req.prompt_tokens
             assert all(100 <= t < work.vocab for t in req.body["prompt"])
+
+
+def test_rss_plateau_judges_the_second_half_against_the_middle() -> None:
+    from bench.soak import rss_plateau
+
+    def series(values: list[int]) -> list[dict[str, object]]:
+        return [{"t": 60.0 * i, "rss_kib": {0: v}} for i, v in enumerate(values)]
+
+    # Grows in the first half (caches filling), flat in the second: a plateau.
+    flat = rss_plateau(series([500_000, 700_000, 800_000, 805_000, 808_000]), 240.0)[0]
+    assert flat["mid_kib"] == 800_000 and flat["second_half_kib"] == 8_000
+    assert flat["second_half_pct"] == 1.0 and flat["ok"]
+    # Still growing 60 MiB in the second half: a leak, or an unbounded cache.
+    leak = rss_plateau(series([500_000, 560_000, 620_000, 680_000, 740_000]), 240.0)[0]
+    assert leak["second_half_kib"] == 120_000 and not leak["ok"]
