@@ -23,6 +23,7 @@ from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.checkpoint import read_model_config
 from runtime.executors.torch import runner_from_checkpoint
+from runtime.models.hf_names import llama_names
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import quant_spec_for, rules_for
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
@@ -123,16 +124,24 @@ def test_aoti_tp2_engines_match_transformers(family_aoti_tp2: dict[str, Path],
 
 def _dequantized(model: Path, engine: Path, out: Path) -> Path:
     """The checkpoint with every weight the engine quantized replaced by its dequantized
-    values (Llama tensor names: Qwen3, Gemma 3), for transformers to compute exactly."""
+    values, for transformers to compute exactly (Phi-3's pieces fused back)."""
     from runtime.checkpoint import load_engine_quant
 
     quant = load_engine_quant(engine)
     cfg, _ = read_model_config(model)
     weights = load_file(str(model / "model.safetensors"))
-    for rule in rules_for(cfg):
-        spec = quant_spec_for(rule, cfg, quant)
-        for src in rule.sources if spec is not None else ():
-            weights[src] = quantize(weights[src], spec).dequantize()
+    get = llama_names(cfg, weights.__getitem__)
+    deq = {src: quantize(get(src), spec).dequantize() for rule in rules_for(cfg)
+           if (spec := quant_spec_for(rule, cfg, quant)) is not None for src in rule.sources}
+    for name, t in deq.items():
+        if name in weights:
+            weights[name] = t
+        elif name.endswith("self_attn.q_proj.weight"):  # Phi-3: rows q | k | v, gate | up
+            layer = name.removesuffix("self_attn.q_proj.weight")
+            weights[layer + "self_attn.qkv_proj.weight"] = torch.cat(
+                [deq[f"{layer}self_attn.{p}_proj.weight"] for p in "qkv"])
+            weights[layer + "mlp.gate_up_proj.weight"] = torch.cat(
+                [deq[f"{layer}mlp.{p}_proj.weight"] for p in ("gate", "up")])
     out.mkdir(parents=True)
     for f in model.iterdir():
         if f.name != "model.safetensors":
@@ -141,7 +150,7 @@ def _dequantized(model: Path, engine: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("scheme", ["int8_wo", "int4_wo"])
 def test_quantized_eager_engines_are_exact_on_dequantized_weights(
         family_models: dict[str, Path], kind: str, scheme: str, tmp_path: Path) -> None:
