@@ -59,7 +59,7 @@ def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overri
         })
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif kind == "mistral":
-        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+        cfg, cls = tf.MistralConfig(**{"sliding_window": None, **common}), tf.MistralForCausalLM
     elif kind == "qwen2":
         cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
     elif kind in FAMILY_DEFAULTS:

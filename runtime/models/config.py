@@ -18,8 +18,9 @@ SUPPORTED_ARCHITECTURES = (
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _SUPPORTED_ACTS = ("silu", "gelu_pytorch_tanh")
 # Architectures whose config.json lists each layer's attention type ("sliding_attention" /
-# "full_attention") and whose sliding windows we honour; Phi-3's window covers every layer.
-_LAYER_TYPED = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# "full_attention") and whose sliding windows we honour; Mistral's and Phi-3's cover every layer.
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,16 +83,6 @@ class ModelConfig:
         if act not in _SUPPORTED_ACTS:
             raise BuildError(f"unsupported hidden_act {act!r}",
                              f"supported: {', '.join(_SUPPORTED_ACTS)}")
-        # Sliding-window attention would silently change results on long prompts: the
-        # families whose windows we honour are read by _sliding_windows.
-        if arch in ("MistralForCausalLM", "Qwen2ForCausalLM") and (cfg.get("use_sliding_window") or (
-            arch == "MistralForCausalLM" and cfg.get("sliding_window") not in (None, 0)
-            and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)
-        )):
-            raise BuildError(
-                "sliding-window attention is not implemented",
-                "use a checkpoint without sliding_window (or set it to null in config.json)",
-            )
         if cfg.get("mlp_bias"):
             raise BuildError("unsupported option mlp_bias=true", "only bias-free MLPs are implemented")
         _refuse_unsupported(arch, cfg)
@@ -205,11 +196,13 @@ def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
 def _sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's window (0: global), or () where no layer has one."""
     n, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or 0
-    if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window"):
-        window = 0  # transformers' Qwen3Config drops the window unless it is switched on
-    if not window or arch not in (*_LAYER_TYPED, "Phi3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = 0  # transformers' Qwen2/3 configs drop the window unless it is switched on
+    if window >= cfg.get("max_position_embeddings", window + 1):
+        window = 0  # no position can see past it (Mistral v0.2+ configs: our kernels run)
+    if not window or arch not in (*_LAYER_TYPED, *_EVERY_LAYER):
         return ()
-    if arch == "Phi3ForCausalLM":
+    if arch in _EVERY_LAYER:
         windows = (window,) * n
     else:
         types = cfg.get("layer_types")
@@ -217,7 +210,7 @@ def _sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
             pattern = cfg.get("sliding_window_pattern", 6)
             types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                      for i in range(n)]
-        if types is None:  # Qwen3 before layer_types: use_sliding_window from max_window_layers
+        if types is None:  # Qwen2/3 before layer_types: sliding from max_window_layers on
             start = cfg.get("max_window_layers", n) if cfg.get("use_sliding_window") else n
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)

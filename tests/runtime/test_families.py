@@ -28,7 +28,7 @@ from runtime.models.parallel import TPContext
 from runtime.models.sharding import quant_spec_for, rules_for
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.quant import quantize
-from tests.conftest import run_mpirun
+from tests.conftest import make_tiny_checkpoint, run_mpirun
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 from tests.runtime.mpi_worker import PROMPTS
@@ -76,6 +76,17 @@ def test_the_sliding_window_is_what_matches(family_models: dict[str, Path],
     for kind in ("phi3", "gemma3"):
         rows = _mixed_steps_logits(family_models[kind])
         assert max(rel_err(r, last_logits(family_models[kind], t)) for r, t in rows) > 0.1, kind
+
+
+def test_mistral_and_qwen2_with_a_sliding_window_match_transformers(tmp_path: Path) -> None:
+    """Refused before the window was honoured; Mistral's covers every layer, Qwen2's the
+    layers from max_window_layers on."""
+    for kind, extra in (("mistral", {"sliding_window": 5}),
+                        ("qwen2", {"sliding_window": 3, "use_sliding_window": True,
+                                   "max_window_layers": 1})):
+        path = make_tiny_checkpoint(tmp_path / kind, kind, seed=9, **extra)
+        for row, toks in _mixed_steps_logits(path):
+            assert rel_err(row, last_logits(path, toks)) < 1e-4, kind
 
 
 @pytest.fixture(scope="module")

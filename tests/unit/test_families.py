@@ -94,3 +94,11 @@ def test_phi3s_fused_tensors_shard_as_the_llama_tensors_they_hold(tp: int) -> No
         b = shard_state_dict((rest | sep).__getitem__, llama, tp, rank, torch.float32)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), rank
+
+
+def test_mistral_windows_every_layer_unless_no_position_reaches_past_it() -> None:
+    cfg = ModelConfig.from_hf_config(_hf("MistralForCausalLM", sliding_window=8,
+                                         max_position_embeddings=64))
+    assert cfg.sliding_windows == (8,) * 6
+    assert ModelConfig.from_hf_config(_hf("MistralForCausalLM", sliding_window=64,
+                                          max_position_embeddings=64)).sliding_windows == ()
