@@ -108,10 +108,9 @@ def paged_attention(
     position.
 
     `window` (a sliding-window layer; 0: global): a query at position p attends the keys at
-    p - window < position <= p, as transformers' sliding_window_overlay. Our kernels know
-    no window, so such a layer runs the tensor operations even in an engine with kernels.
+    p - window < position <= p, as transformers' sliding_window_overlay; the kernels do not
+    read the blocks wholly before every query's window.
     """
-    use_kernels = use_kernels and not window
     _, hq, d = q.shape
     hk = k_cache.shape[2]
     g = hq // hk
@@ -120,8 +119,8 @@ def paged_attention(
     bd = qd.shape[0]
     if use_kernels:
         od = torch.ops.aotllm.paged_decode_attention(
-            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale, meta.kv_live
-        ).reshape(bd, hq * d)
+            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale, meta.kv_live,
+            window).reshape(bd, hq * d)
     else:
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
                               scale, window)
@@ -137,7 +136,7 @@ def paged_attention(
         # once per query row (the decode kernel with one row per query, before).
         qpos = positions[meta.pf_q_index]  # [Bp, Q]
         op = torch.ops.aotllm.paged_prefill_attention(
-            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale, meta.kv_live
+            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale, meta.kv_live, window
         ).reshape(bp * nq, hq * d)
         return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]
 
