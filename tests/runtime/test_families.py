@@ -6,6 +6,7 @@ against transformers on the dequantized weights.
 Gemma 3's first layer and every Phi-3 layer slide a window of 4 and 6 keys over prompts of
 5 to 70 tokens in blocks of 4, so a window ends mid-block and a sequence's early blocks fall
 out of it; the same engines with the window switched off miss transformers by 20-130 %.
+The compiled engines run those windows in our CPU kernels (runtime/kernels/paged_attention.cpp).
 """
 
 from __future__ import annotations
