@@ -20,6 +20,7 @@ from pipeline.progress import Progress
 from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
+from runtime.models.hf_names import llama_names
 from runtime.models.panels import pack_pairs, pack_panels, pack_qpanel_weight, pairs_fit
 from runtime.models.sharding import (
     QuantGetter,
@@ -45,7 +46,7 @@ def convert_checkpoint(
     progress = progress or Progress.silent()
     cfg, hf_cfg = read_model_config(src)
     cfg.check_tp(tp)
-    get = open_weights(src)
+    get = llama_names(cfg, open_weights(src))  # Phi-3's fused tensors cut (hf_names.py)
     td = torch_dtype(dtype)
     # Each weight is quantized once (whole), whatever the number of ranks cutting it.
     done: dict[tuple[str, QuantSpec], QTensor] = {}

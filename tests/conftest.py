@@ -25,6 +25,21 @@ def run_mpirun(n: int, args: list[str], env: dict[str, str] | None = None,
                               text=True, timeout=timeout)
 
 
+# The newer families' tiny shapes: Qwen3 with an explicit head_dim (32, not 64 / 4); Phi-3
+# (fused qkv and gate_up tensors) with a sliding window on every layer; Gemma 3 with one KV
+# head (replicated at TP=2), a sliding layer then a global one with their own RoPE (the
+# global one linearly scaled), query_pre_attn_scalar apart from head_dim.
+FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
+    "qwen3": dict(head_dim=32),
+    "phi3": dict(sliding_window=6),
+    "gemma3": dict(
+        head_dim=32, num_key_value_heads=1, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+
+
 def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overrides: object) -> Path:
     """A small random model saved with save_pretrained (float32), with a tokenizer."""
     import torch
@@ -44,15 +59,31 @@ def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overri
         })
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif kind == "mistral":
-        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+        cfg, cls = tf.MistralConfig(**{"sliding_window": None, **common}), tf.MistralForCausalLM
     elif kind == "qwen2":
         cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
+    elif kind in FAMILY_DEFAULTS:
+        cfg_cls, cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+                        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
+        cfg = cfg_cls(**{**FAMILY_DEFAULTS[kind], **common})
     else:
         raise ValueError(kind)
     model = cls(cfg).float().eval()
+    with torch.no_grad():  # norms start at ones (Gemma's at zeros): make every one count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Qwen3, Phi-3 and Gemma 3 checkpoints (FAMILY_DEFAULTS)."""
+    root = tmp_path_factory.mktemp("families")
+    return {k: make_tiny_checkpoint(root / k, k, seed=7) for k in FAMILY_DEFAULTS}
 
 
 @pytest.fixture(scope="session")

@@ -54,13 +54,13 @@ def _register_fakes() -> None:
     @_fake("paged_decode_attention")
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                kv_live: torch.Tensor | None = None) -> torch.Tensor:
+                kv_live: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         return torch.empty_like(q)
 
     @_fake("paged_prefill_attention")
     def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                 kv_live: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_live: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         return torch.empty_like(q)
 
     def _out(x: torch.Tensor, n: int, float_out: bool) -> torch.Tensor:

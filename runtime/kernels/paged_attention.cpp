@@ -33,11 +33,14 @@
 // kv_live      [Hk, 3] int64 or none  (modulus, lo, hi): head h attends batch row r when
 //                                     lo <= r % modulus < hi (none: every row; a scalar:
 //                                     heads 0 .. n - 1 every row, the rest none)
+// window       int                    a sliding layer's keys: [ctx_len - window, ctx_len)
+//                                     (0: all); the blocks before it are not read
 // returns      [B, Hq, D]             same dtype as q
 // paged_prefill_attention:
 // q            [P, Q, Hq, D]          P prompt chunks of Q query rows
 // block_tables [P, M] int64
 // q_pos        [P, Q] int64           each row's position: it sees keys 0 .. q_pos
+//                                     (with a window: q_pos - window + 1 .. q_pos)
 // kv_live                             as above, r the query's row in its chunk
 // returns      [P, Q, Hq, D]
 #include <ATen/ATen.h>
@@ -80,20 +83,22 @@ struct Scratch {
 // One work item: the G queries in s.qf (scaled; rows past G zero) against the keys and
 // values of one (sequence, KV head), read in place block by block through `table`; query i
 // sees the keys [0, lim[i]) (lim >= 1: causal within a prompt, the whole context when
-// decoding). Each block's keys and values are widened to float32 once for all G queries;
+// decoding), or with a sliding `window` only [lim[i] - window, lim[i]): blocks before every
+// query's window are never read. Each block's keys and values are widened to float32 once for all G queries;
 // an online softmax keeps one rescale a block. -> s.acc [G, D], s.l [G] (unnormalized).
 template <typename scalar_t>
 void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int64_t nblocks,
             const scalar_t* kh, int64_t k_block, int64_t k_slot, const scalar_t* vh,
-            int64_t v_block, int64_t v_slot, int64_t D, int64_t bs) {
+            int64_t v_block, int64_t v_slot, int64_t D, int64_t bs, int64_t window) {
   const int64_t gp = (G + 3) / 4 * 4;
   const int64_t ctx = std::min(*std::max_element(lim, lim + G), nblocks * bs);
+  const int64_t from = window > 0 ? std::max<int64_t>(*std::min_element(lim, lim + G) - window, 0) : 0;
   for (int64_t i = 0; i < G; ++i) {
     s.m[i] = -std::numeric_limits<float>::infinity();
     s.l[i] = 0.f;
   }
   std::fill(s.acc.begin(), s.acc.begin() + G * D, 0.f);
-  for (int64_t j = 0; j * bs < ctx; ++j) {
+  for (int64_t j = from / bs; j * bs < ctx; ++j) {
     const int64_t blk = table[j], first = j * bs;
     const int64_t n = std::min<int64_t>(bs, ctx - first);
     const scalar_t* kb = kh + blk * k_block;
@@ -113,19 +118,22 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
       float* pi = &s.probs[i * bs];
       // The keys of this block query i may see; none (a later query's block): no weight.
       const int64_t ni = std::clamp<int64_t>(lim[i] - first, 0, n);
-      if (ni == 0) {
+      // and, in a sliding window, not the keys before it
+      const int64_t a = window > 0 ? std::clamp<int64_t>(lim[i] - window - first, 0, ni) : 0;
+      if (ni == a) {
         std::fill(pi, pi + n, 0.f);
         continue;
       }
-      const float m_new = std::max(s.m[i], *std::max_element(pi, pi + ni));
+      const float m_new = std::max(s.m[i], *std::max_element(pi + a, pi + ni));
       // ~0 on the first block (m = -inf), where acc and l are 0 anyway
       const float corr = exp_neg(s.m[i] - m_new);
       float lsum = 0.f;
 #pragma omp simd reduction(+ : lsum)
-      for (int64_t t = 0; t < ni; ++t) {
+      for (int64_t t = a; t < ni; ++t) {
         pi[t] = exp_neg(pi[t] - m_new);
         lsum += pi[t];
       }
+      std::fill(pi, pi + a, 0.f);
       std::fill(pi + ni, pi + n, 0.f);
       lsum += s.l[i] * corr;
       float* ai = &s.acc[i * D];
@@ -155,7 +163,7 @@ inline void store_output(const Scratch& s, int64_t i, int64_t D, scalar_t* dst) 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
-                   const HeadRows& rows, at::Tensor& out) {
+                   const HeadRows& rows, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk;
@@ -182,7 +190,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       attend(s, g, lim, bt + b * M, M, kp + h * k_cache.stride(2), k_cache.stride(0),
              k_cache.stride(1), vp + h * v_cache.stride(2), v_cache.stride(0),
-             v_cache.stride(1), D, bs);
+             v_cache.stride(1), D, bs, window);
       for (int64_t i = 0; i < g; ++i) store_output(s, i, D, op + (b * Hq + h * g + i) * D);
     }
   });
@@ -200,7 +208,7 @@ constexpr int64_t kTileRows = 8;
 template <typename scalar_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& q_pos, double scale,
-                    const HeadRows& rows, at::Tensor& out) {
+                    const HeadRows& rows, int64_t window, at::Tensor& out) {
   const int64_t P = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), M = block_tables.size(1);
   const int64_t g = Hq / Hk, tiles = (Q + kTileRows - 1) / kTileRows;
@@ -244,7 +252,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       }
       attend(s, G, lim.data(), bt + p * M, M, kp + h * k_cache.stride(2), k_cache.stride(0),
              k_cache.stride(1), vp + h * v_cache.stride(2), v_cache.stride(0),
-             v_cache.stride(1), D, bs);
+             v_cache.stride(1), D, bs, window);
       for (int64_t r = 0; r < nrows; ++r) {
         for (int64_t i = 0; i < g; ++i) {
           store_output(s, r * g + i, D, op + (((p * Q + tile[r]) * Hq) + h * g + i) * D);
@@ -291,7 +299,7 @@ HeadRows head_rows(const std::optional<at::Tensor>& kv_live, int64_t Hk) {
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& q_pos, double scale,
-                                   const std::optional<at::Tensor>& kv_live) {
+                                   const std::optional<at::Tensor>& kv_live, int64_t window) {
   TORCH_CHECK(q.dim() == 4, "paged_prefill_attention: q [P, Q, Hq, D]");
   check_caches("paged_prefill_attention", q, k_cache, v_cache);
   TORCH_CHECK(q_pos.dim() == 2 && q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(1),
@@ -304,7 +312,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const HeadRows rows = head_rows(kv_live, k_cache.size(2));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_prefill", [&] {
-    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, rows, out);
+    prefill_kernel<scalar_t>(qc, k_cache, v_cache, bt, qpos, scale, rows, window, out);
   });
   return out;
 }
@@ -312,7 +320,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& ctx_lens, double scale,
-                                  const std::optional<at::Tensor>& kv_live) {
+                                  const std::optional<at::Tensor>& kv_live, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q [B, Hq, D]");
   check_caches("paged_decode_attention", q, k_cache, v_cache);
   auto qc = q.contiguous();
@@ -321,7 +329,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const HeadRows rows = head_rows(kv_live, k_cache.size(2));
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, rows, out);
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, bt, cl, scale, rows, window, out);
   });
   return out;
 }
@@ -330,9 +338,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(aotllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor ctx_lens, float scale, Tensor? kv_live=None) -> Tensor");
+        "Tensor ctx_lens, float scale, Tensor? kv_live=None, int window=0) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor q_pos, float scale, Tensor? kv_live=None) -> Tensor");
+        "Tensor block_tables, Tensor q_pos, float scale, Tensor? kv_live=None, int window=0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) {

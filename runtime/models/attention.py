@@ -71,10 +71,11 @@ def _softmax_av(scores: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> to
 
 def decode_attention(
     qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    ctx_lens: torch.Tensor, scale: float,
+    ctx_lens: torch.Tensor, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """One query per sequence, qd [Bd, Hq, D] -> [Bd, Hq * D], in tensor operations: the
-    numerical reference (eager engines) for the fused kernel aoti engines call."""
+    numerical reference (eager engines) for the fused kernel aoti engines call. `window`:
+    the query (at position ctx_len - 1) sees only the last `window` keys (0: all)."""
     bd, hq, d = qd.shape
     hk = k_cache.shape[2]
     q4 = qd.view(bd, hk, hq // hk, d)  # [Bd, Hk, g, D] against [Bd, Hk, C, D] keys
@@ -82,7 +83,10 @@ def decode_attention(
     vd = _gather_blocks(v_cache, block_tables)
     sd = (q4 @ kd.transpose(-1, -2)) * scale  # [Bd, Hk, g, C]
     cd = torch.arange(kd.shape[2], device=qd.device)
-    maskd = (cd.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(bd, 1, 1, -1)
+    maskd = cd.unsqueeze(0) < ctx_lens.unsqueeze(1)  # [Bd, C]
+    if window:
+        maskd = maskd & (cd.unsqueeze(0) >= ctx_lens.unsqueeze(1) - window)
+    maskd = maskd.view(bd, 1, 1, -1)
     return _softmax_av(sd, maskd, vd).reshape(bd, hq * d)
 
 
@@ -94,7 +98,7 @@ def _row_mask(kv_rows: torch.Tensor, n: int, device: torch.device) -> torch.Tens
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-    meta: AttentionMetadata, scale: float, use_kernels: bool = False,
+    meta: AttentionMetadata, scale: float, use_kernels: bool = False, window: int = 0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (keys/values already written) -> attention output [T, Hq * D].
 
@@ -102,6 +106,10 @@ def paged_attention(
     which read K/V in place with an online softmax, instead of the tensor operations: the
     decode rows one query each, the prompt chunks in tiles of rows, each causal to its own
     position.
+
+    `window` (a sliding-window layer; 0: global): a query at position p attends the keys at
+    p - window < position <= p, as transformers' sliding_window_overlay; the kernels do not
+    read the blocks wholly before every query's window.
     """
     _, hq, d = q.shape
     hk = k_cache.shape[2]
@@ -111,11 +119,11 @@ def paged_attention(
     bd = qd.shape[0]
     if use_kernels:
         od = torch.ops.aotllm.paged_decode_attention(
-            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale, meta.kv_live
-        ).reshape(bd, hq * d)
+            qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens, scale, meta.kv_live,
+            window).reshape(bd, hq * d)
     else:
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
-                              scale)
+                              scale, window)
         if meta.kv_live is not None:  # the rows another rank attends: zeros, as the kernel
             keep = _row_mask(meta.kv_live, bd, q.device).unsqueeze(-1)  # [Bd, Hk, 1]
             od = (od.view(bd, hk, g * d) * keep).reshape(bd, hq * d)
@@ -128,7 +136,7 @@ def paged_attention(
         # once per query row (the decode kernel with one row per query, before).
         qpos = positions[meta.pf_q_index]  # [Bp, Q]
         op = torch.ops.aotllm.paged_prefill_attention(
-            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale, meta.kv_live
+            qp, k_cache, v_cache, meta.pf_block_tables, qpos, scale, meta.kv_live, window
         ).reshape(bp * nq, hq * d)
         return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]
 
@@ -140,6 +148,8 @@ def paged_attention(
     qpos = positions[meta.pf_q_index]  # [Bp, Q]
     cp = torch.arange(kp.shape[2], device=q.device)
     maskp = cp.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [Bp, Q, C]
+    if window:
+        maskp = maskp & (cp.view(1, 1, -1) > qpos.unsqueeze(-1) - window)
     maskp = maskp.unsqueeze(1).unsqueeze(1).expand(bp, 1, g, nq, -1).reshape(bp, 1, g * nq, -1)
     op = _softmax_av(sp, maskp, vp)  # [Bp, Hk, g * Q, D]
     op = op.view(bp, hk, g, nq, d).permute(0, 3, 1, 2, 4)  # [Bp, Q, Hk, g, D]

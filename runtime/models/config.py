@@ -11,8 +11,16 @@ from typing import Any
 
 from contract.errors import BuildError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma3ForCausalLM",
+)
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_SUPPORTED_ACTS = ("silu", "gelu_pytorch_tanh")
+# Architectures whose config.json lists each layer's attention type ("sliding_attention" /
+# "full_attention") and whose sliding windows we honour; Mistral's and Phi-3's cover every layer.
+_LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,16 @@ class ModelConfig:
     rope: RopeConfig
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What the families beyond Llama add (runtime/models/llama.py reads them; the defaults
+    # are Llama's, so engines written before they existed read as they were built).
+    hidden_act: str = "silu"  # the MLP's gate: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)
+    qk_norm: bool = False  # an RMSNorm over head_dim on every q and k head (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's norms are (1 + w)
+    sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP too
+    embed_scale: float = 1.0  # Gemma: the embeddings times sqrt(hidden)
+    query_pre_attn_scalar: float | None = None  # attention scale^-2 when not head_dim
+    sliding_windows: tuple[int, ...] = ()  # per layer, keys a query sees (0: all); () all 0
+    rope_local: RopeConfig | None = None  # the sliding layers' RoPE when it differs (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -61,21 +79,23 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}",
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise BuildError(f"unsupported hidden_act {act!r}", "only SwiGLU (silu) is implemented")
-        # Sliding-window attention would silently change results on long prompts.
-        if cfg.get("use_sliding_window") or (
-            arch == "MistralForCausalLM" and cfg.get("sliding_window") not in (None, 0)
-            and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0)
-        ):
-            raise BuildError(
-                "sliding-window attention is not implemented",
-                "use a checkpoint without sliding_window (or set it to null in config.json)",
-            )
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in _SUPPORTED_ACTS:
+            raise BuildError(f"unsupported hidden_act {act!r}",
+                             f"supported: {', '.join(_SUPPORTED_ACTS)}")
         if cfg.get("mlp_bias"):
             raise BuildError("unsupported option mlp_bias=true", "only bias-free MLPs are implemented")
-        rope = _rope_config(cfg)
+        _refuse_unsupported(arch, cfg)
+        gemma = arch == "Gemma3ForCausalLM"
+        rope_params = cfg.get("rope_parameters") or {}
+        if gemma and "full_attention" in rope_params:  # transformers 5: one dict a layer type
+            rope = _rope_config(cfg, rope_params["full_attention"])
+            rope_local = _rope_config(cfg, rope_params.get("sliding_attention") or {})
+        elif gemma:  # transformers 4 spelling: rope_theta (global), rope_local_base_freq
+            rope = _rope_config(cfg)
+            rope_local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+        else:
+            rope, rope_local = _rope_config(cfg), None
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -97,7 +117,19 @@ class ModelConfig:
             rope=rope,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=act,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
+            query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None),
+            sliding_windows=_sliding_windows(arch, cfg),
+            rope_local=rope_local,
         )
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def tp_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) over all ranks once laid out for `tp` ranks.
@@ -135,12 +167,60 @@ class ModelConfig:
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["sliding_windows"] = tuple(d.get("sliding_windows", ()))
+        if d.get("rope_local") is not None:
+            d["rope_local"] = RopeConfig(**d["rope_local"])
         return cls(**d)
 
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` attends (itself and the window - 1 before it); 0: all."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
-def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers 5 moved rope_theta into rope_parameters; accept both spellings.
+
+def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
+    """Options of the newer families that would silently change results: refused by name."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise BuildError(f"unsupported option {key}={cfg[key]}",
+                             "logit soft-capping is not implemented (Gemma 3 has none)")
+    if cfg.get("use_bidirectional_attention"):
+        raise BuildError("unsupported option use_bidirectional_attention=true",
+                         "only causal decoders are implemented")
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if float(prf) != 1.0:
+        raise BuildError(f"unsupported partial_rotary_factor {prf}",
+                         "only RoPE over the whole head is implemented")
+
+
+def _sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's window (0: global), or () where no layer has one."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or 0
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = 0  # transformers' Qwen2/3 configs drop the window unless it is switched on
+    if window >= cfg.get("max_position_embeddings", window + 1):
+        window = 0  # no position can see past it (Mistral v0.2+ configs: our kernels run)
+    if not window or arch not in (*_LAYER_TYPED, *_EVERY_LAYER):
+        return ()
+    if arch in _EVERY_LAYER:
+        windows = (window,) * n
+    else:
+        types = cfg.get("layer_types")
+        if types is None and arch == "Gemma3ForCausalLM":  # transformers 4: every 6th global
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(n)]
+        if types is None:  # Qwen2/3 before layer_types: sliding from max_window_layers on
+            start = cfg.get("max_window_layers", n) if cfg.get("use_sliding_window") else n
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _rope_config(cfg: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConfig:
+    # transformers 5 moved rope_theta into rope_parameters; accept both spellings.
+    if params is None:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -150,6 +230,8 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(params["factor"]))
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

@@ -188,18 +188,33 @@ class ParallelLMHead(_Weight):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+    """`offset` 1.0: Gemma's norm, whose scale is (1 + w), applied in float32 before the cast
+    back (transformers' Gemma3RMSNorm); 0.0: Llama's, w applied in the model dtype."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = _empty(hidden, dtype=dtype)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like transformers does, then scale in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation (transformers' gelu_pytorch_tanh; Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}

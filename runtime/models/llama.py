@@ -1,4 +1,8 @@
-"""One Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, tensor parallel.
+"""One decoder for every family we build (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over
+a paged KV cache, tensor parallel. The families differ in data only (ModelConfig): Qwen3's
+and Gemma's per-head q/k norms, Gemma's (1 + w) norms around attention and MLP, GeGLU,
+scaled embeddings, query_pre_attn_scalar and sliding-window layers with their own RoPE;
+Phi-3's fused checkpoint tensors are split by the converter (runtime/models/hf_names.py).
 
 `forward` is the engine's step function: flat tensor arguments only, so `torch.export`
 can trace it with dynamic token, batch and block dimensions, and the same code runs
@@ -24,13 +28,13 @@ from runtime.models.attention import AttentionMetadata, paged_attention, write_k
 from runtime.models.config import ModelConfig
 from runtime.models.kv_heads import padded
 from runtime.models.layers import (
+    GATED_ACTS,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    silu_and_mul,
 )
 from runtime.models.parallel import TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
@@ -45,12 +49,17 @@ def local_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: str = "") -> None:
+                 quant: Quantization = NONE, panels: str = "", window: int = 0) -> None:
         super().__init__()
         self.use_kernels = tp.use_kernels
         self.hq, self.hk = local_heads(cfg, tp.size)
         self.d = cfg.head_dim
-        self.scale = self.d**-0.5
+        self.scale = cfg.attn_scale
+        self.window = window
+        if cfg.qk_norm:  # over each head's head_dim, before RoPE (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, self.d, self.hq, self.hk, cfg.qkv_bias, tp, dtype, quant.linear, panels
         )
@@ -64,10 +73,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k = apply_rope(q.view(t, self.hq, self.d), k.view(t, self.hk, self.d), positions, inv_freq)
+        q, k = q.view(t, self.hq, self.d), k.view(t, self.hk, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, positions, inv_freq)
         write_kv(k_cache, v_cache, k, v.view(t, self.hk, self.d), block_index, block_offset)
         return self.o_proj(paged_attention(q, k_cache, v_cache, positions, meta, self.scale,
-                                           self.use_kernels))
+                                           self.use_kernels, self.window))
 
 
 class MLP(nn.Module):
@@ -79,19 +91,43 @@ class MLP(nn.Module):
                                                        dtype, quant.linear, panels)
         self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype, quant.linear,
                                            panels)
+        self.act = GATED_ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Llama's pre-norm layer; with `sandwich_norms` Gemma's: post_attention_layernorm
+    normalises the attention's output before the residual add, and the MLP sits between
+    pre_feedforward_layernorm and post_feedforward_layernorm."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: str = "") -> None:
+                 quant: Quantization = NONE, panels: str = "", layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, tp, dtype, quant, panels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, tp, dtype, quant, panels, cfg.window(layer))
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg, tp, dtype, quant, panels)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        # Gemma 3's sliding layers rotate with their own RoPE base (the model's inv_freq_local).
+        self.local_rope = cfg.rope_local is not None and cfg.window(layer) > 0
+
+    def forward(self, residual: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                block_index: torch.Tensor, block_offset: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(residual), positions, inv_freq, k_cache, v_cache,
+                           meta, block_index, block_offset)
+        if not self.sandwich:
+            residual = residual + a
+            return residual + self.mlp(self.post_attention_layernorm(residual))
+        residual = residual + self.post_attention_layernorm(a)
+        m = self.mlp(self.pre_feedforward_layernorm(residual))
+        return residual + self.post_feedforward_layernorm(m)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,9 +166,9 @@ class LlamaForCausalLM(nn.Module):
         embed_fmt = head_fmt if cfg.tie_word_embeddings and quant.lm_head is None else ""
         self.embed_tokens = VocabParallelEmbedding(vocab_local, cfg.hidden_size, tp, dtype,
                                                    embed_quant, embed_fmt)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_fmt)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, quant, layer_fmt, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         # A tied float head is the embedding's one tensor (sharding.bind_tied); a tied
         # quantized head in pair panels leaves the embedding a row-major copy of its own.
         # A quantized head in pair panels with the QHEAD_LAYOUTS (its rows at 16 rows a step
@@ -141,6 +177,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(vocab_local, cfg.hidden_size, tp, dtype, quant.lm_head,
                                       head_fmt)
         self.register_buffer("inv_freq", inv_frequencies(cfg.rope, cfg.head_dim), persistent=True)
+        if cfg.rope_local is not None:
+            self.register_buffer("inv_freq_local", inv_frequencies(cfg.rope_local, cfg.head_dim),
+                                 persistent=True)
+        # Gemma: the embedding times sqrt(hidden), rounded to the model dtype as transformers
+        # rounds it (a Python float: AOTInductor folds it into the program).
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu").item()
+                            if cfg.embed_scale != 1.0 else None)
         # Which rows each of this rank's KV heads attends (runtime/models/kv_heads.py: a
         # head shared with another rank for some rows, a zero head for none): a parameter
         # bound with the rank's weights, as embed_tokens.vocab_start, so that one program
@@ -170,13 +213,12 @@ class LlamaForCausalLM(nn.Module):
         )
         block_size = k_caches[0].shape[1]
         block_index, block_offset = slot_mapping // block_size, slot_mapping % block_size
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = h
+        residual = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(residual)
-            residual = residual + layer.self_attn(
-                x, positions, self.inv_freq, k_caches[i], v_caches[i], meta, block_index, block_offset
-            )
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+            inv_freq = self.inv_freq_local if layer.local_rope else self.inv_freq
+            residual = layer(residual, positions, inv_freq, k_caches[i], v_caches[i], meta,
+                             block_index, block_offset)
         h = self.norm(residual[logits_index])  # [L, hidden]
         return self.lm_head(h)  # float32

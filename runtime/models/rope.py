@@ -10,13 +10,15 @@ from runtime.models.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with llama3 scaling when configured.
+    """[head_dim // 2] float32 inverse frequencies, with llama3 or linear scaling when configured.
 
     Always on the host: models are built under `torch.device("meta")`, and meta tensors run
     torch's Python reference kernels, whose first use imports torch._refs and
     torch._decomp (seconds of a server's start-up, for a buffer the weights replace)."""
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
     inv = 1.0 / (rope.theta ** (arange.float() / head_dim))
+    if rope.rope_type == "linear":  # positions divided by the factor (Gemma 3's global layers)
+        inv = inv / rope.factor
     if rope.rope_type == "llama3":
         # Same piecewise rule as transformers' _compute_llama3_parameters.
         low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor

@@ -14,6 +14,12 @@ kinds:
                 both, or, where the plan cannot share, zero heads are appended
   o_proj        row, the input columns of each rank's slots likewise
   merged        gate and up each split dim 0, then concatenated
+
+Sources are Llama's tensor names; a family that stores them otherwise (Phi-3's fused
+qkv_proj and gate_up_proj) is read through runtime/models/hf_names.py, which cuts its
+tensors into these before the rule shards them. A rule `when` a config flag is set exists
+for the families that have it (q/k bias, Qwen3's and Gemma's q/k norms, Gemma's norms
+around the MLP).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from contract.layout import PANEL_COLUMNS
 from contract.quant import NONE, Quantization, QuantSpec
 from runtime.models.config import ModelConfig
+from runtime.models.hf_names import llama_names
 from runtime.models.kv_heads import (
     group_width,
     kv_head_range,
@@ -52,7 +59,7 @@ class ShardRule:
     name: str  # our parameter name
     sources: tuple[str, ...]  # Hugging Face tensor names
     kind: str
-    optional: bool = False  # present only with some configs (q/k/v bias)
+    when: str = ""  # present only when this ModelConfig flag is set (qkv_bias, qk_norm, ...)
 
 
 LAYER_RULES: tuple[ShardRule, ...] = (
@@ -66,8 +73,10 @@ LAYER_RULES: tuple[ShardRule, ...] = (
         "layers.{i}.self_attn.qkv_proj.bias",
         tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"),
         "qkv",
-        optional=True,
+        when="qkv_bias",
     ),
+    *(ShardRule(f"layers.{{i}}.self_attn.{n}.weight", (f"model.layers.{{i}}.self_attn.{n}.weight",),
+                "replicate", when="qk_norm") for n in ("q_norm", "k_norm")),
     ShardRule("layers.{i}.self_attn.o_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "o_proj"),
     ShardRule(
         "layers.{i}.post_attention_layernorm.weight",
@@ -80,6 +89,9 @@ LAYER_RULES: tuple[ShardRule, ...] = (
         "merged",
     ),
     ShardRule("layers.{i}.mlp.down_proj.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+    *(ShardRule(f"layers.{{i}}.{n}.weight", (f"model.layers.{{i}}.{n}.weight",), "replicate",
+                when="sandwich_norms")
+      for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")),
 )
 GLOBAL_RULES: tuple[ShardRule, ...] = (
     ShardRule("embed_tokens.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -93,7 +105,7 @@ def rules_for(cfg: ModelConfig) -> list[ShardRule]:
     rules: list[ShardRule] = []
     for i in range(cfg.num_hidden_layers):
         for r in LAYER_RULES:
-            if r.optional and not cfg.qkv_bias:
+            if r.when and not getattr(cfg, r.when):
                 continue
             rules.append(
                 ShardRule(r.name.format(i=i), tuple(s.format(i=i) for s in r.sources), r.kind)
@@ -269,6 +281,7 @@ def shard_state_dict(
     from `get_quantized`, a GGUF's blocks) and then cut: `X.weight` becomes `X.qweight`,
     `X.scales` (and `X.mins`) in the kernels' packed layout.
     """
+    get = llama_names(cfg, get)
     get_q = get_quantized or (lambda name, spec: quantize(get(name), spec))
     out: dict[str, torch.Tensor] = {}
     for rule in rules_for(cfg):
@@ -284,4 +297,6 @@ def shard_state_dict(
     out["embed_tokens.vocab_start"] = torch.tensor(rank * (cfg.vocab_size // tp), dtype=torch.int64)
     out["kv_head_rows"] = kv_head_rows(cfg, tp, rank, quant.linear)
     out["inv_freq"] = inv_frequencies(cfg.rope, cfg.head_dim)
+    if cfg.rope_local is not None:
+        out["inv_freq_local"] = inv_frequencies(cfg.rope_local, cfg.head_dim)
     return out

@@ -268,3 +268,32 @@ def test_prefill_attention_rejects_mismatched_positions(lib: Path) -> None:
         torch.ops.aotllm.paged_prefill_attention(torch.zeros(1, 3, 2, 8), kc, vc,
                                                  torch.zeros(1, 1, dtype=torch.long),
                                                  torch.zeros(1, 2, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_is_honoured_and_the_blocks_before_it_are_not_read(
+        lib: Path, dtype: torch.dtype) -> None:
+    """window: a query at position p sees keys p - window < k <= p (decode: p = ctx - 1);
+    the blocks before every query's window are NaN here, so reading one would show."""
+    torch.manual_seed(11)
+    nb, bs, hq, hk, d, window = 20, 4, 4, 1, 32, 6
+    kc, vc = (torch.randn(nb, bs, hk, d).to(dtype) for _ in range(2))
+    tables = torch.arange(1, 9).view(1, 8).repeat(2, 1)  # keys 0 .. 31 in blocks 1 .. 8
+    tables[1] = torch.arange(11, 19)
+    for blk in (1, 2, 11, 12, 13):  # before every window below (ctx 17, 25; rows from 14)
+        kc[blk], vc[blk] = float("nan"), float("nan")
+    q, ctx = torch.randn(2, hq, d).to(dtype), torch.tensor([17, 25])
+    got = torch.ops.aotllm.paged_decode_attention(q, kc, vc, tables, ctx, 0.2, None, window)
+    want = decode_attention(q.float(), kc.float().nan_to_num(), vc.float().nan_to_num(), tables,
+                            ctx, 0.2, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().reshape(2, hq * d), want, atol=tol, rtol=tol)
+    pos = torch.tensor([[14, 15, 16, 17, 18, 19, 20, 21, 22], [22, 23, 24, 25, 26, 27, 28, 29, 30]])
+    qp = torch.randn(2, 9, hq, d).to(dtype)
+    gotp = torch.ops.aotllm.paged_prefill_attention(qp, kc, vc, tables, pos, 0.2, None, window)
+    for p in range(2):
+        for r in range(9):
+            want = decode_attention(qp[p, r:r + 1].float(), kc.float().nan_to_num(),
+                                    vc.float().nan_to_num(), tables[p:p + 1], pos[p, r:r + 1] + 1,
+                                    0.2, window)
+            torch.testing.assert_close(gotp[p, r].float().reshape(1, hq * d), want, atol=tol, rtol=tol)
