@@ -251,15 +251,19 @@ class GrammarCompiler:
             if spec.kind == "grammar":
                 return compiler.compile_grammar(spec.value)
             if spec.kind == "choice":
-                choices = json.loads(spec.value)
-                # One EBNF alternative per choice; JSON string escapes are EBNF's too.
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+                return compiler.compile_grammar(choice_ebnf(spec.value))
         except json.JSONDecodeError as exc:
             raise GrammarError(f"not valid JSON: {exc}") from None
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(_clean(exc)) from None
         raise GrammarError(f"unknown guided decoding kind {spec.kind!r}")
+
+
+def choice_ebnf(value: str) -> str:
+    """A `choice` spec (a JSON array of strings) as EBNF: one alternative per choice (JSON
+    string escapes are EBNF's too)."""
+    choices = json.loads(value)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _bit(j: int) -> int:

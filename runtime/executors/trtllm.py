@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from runtime.executors.trtllm_request import (
+    NO_GUIDED_CONFIG,
     chosen_logprobs,
     continuation,
     make_request,
@@ -41,6 +42,7 @@ from runtime.types import (
     FinishReason,
     SamplingParams,
     TokenEvent,
+    UnsupportedParameter,
 )
 
 log = logging.getLogger("serve.trtllm")
@@ -72,8 +74,11 @@ class TrtllmExecutor:
     """Implements `runtime.types.Executor` on the leader rank over a constructed Executor."""
 
     def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, guided_unavailable: str | None = NO_GUIDED_CONFIG
+                 ) -> None:
         self._ex = ex
+        # None when the Executor has a GuidedDecodingConfig; else why structured output is off.
+        self.guided_unavailable = guided_unavailable
         self._tx = bindings()
         self.eos_token_ids = eos_token_ids
         self.pad_id = pad_id
@@ -100,9 +105,15 @@ class TrtllmExecutor:
         if phases is None:
             request = self.make_request(prompt_token_ids, params)
         else:
+            if params.guided is not None:
+                # The second phase is a new Request, whose grammar would start over.
+                raise UnsupportedParameter("min_tokens", "min_tokens together with "
+                                           "structured output is not supported by the trtllm "
+                                           "backend (min_tokens runs as two requests here, "
+                                           "and the grammar would restart in the second)")
             first, bad_words = phases
             request = make_request(self._tx, prompt_token_ids, first, self.eos_token_ids,
-                                   self.pad_id, bad_words)
+                                   self.pad_id, bad_words, self.guided_unavailable)
             if params.max_tokens > first.max_tokens:
                 live.rest, live.prompt = params, list(prompt_token_ids)
         # Enqueue under the lock: a response can only be dispatched once its id is known.
@@ -144,7 +155,8 @@ class TrtllmExecutor:
     # ---- requests ---------------------------------------------------------------------
 
     def make_request(self, prompt: list[int], params: SamplingParams) -> Any:
-        return make_request(self._tx, prompt, params, self.eos_token_ids, self.pad_id)
+        return make_request(self._tx, prompt, params, self.eos_token_ids, self.pad_id,
+                            guided_unavailable=self.guided_unavailable)
 
     # ---- the await thread ----------------------------------------------------------------
 

@@ -6,14 +6,16 @@ OutputConfig). `tx` is `tensorrt_llm.bindings.executor` (trtllm_setup.bindings()
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from runtime.types import SamplingParams, TokenLogprob, UnsupportedParameter
+from runtime.types import GuidedSpec, SamplingParams, TokenLogprob, UnsupportedParameter
 
 SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
+NO_GUIDED_CONFIG = "the Executor was constructed without a GuidedDecodingConfig"
 
 
 def other_stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
@@ -47,16 +49,18 @@ def continuation(params: SamplingParams, produced: int) -> SamplingParams:
 
 def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], pad_id: int,
-                 bad_words: list[list[int]] | None = None) -> Any:
+                 bad_words: list[list[int]] | None = None,
+                 guided_unavailable: str | None = NO_GUIDED_CONFIG) -> Any:
     """Our SamplingParams -> a TensorRT-LLM Request (streaming, prompt excluded).
 
     Mapped: repetition_penalty, min_tokens and seed (SamplingConfig), the chosen token's
-    log-probability (OutputConfig.return_log_probs). Refused with UnsupportedParameter
+    log-probability (OutputConfig.return_log_probs), structured output (GuidedDecodingParams,
+    `guided_params`) when the Executor was constructed with a GuidedDecodingConfig
+    (`guided_unavailable` None; else it says why not). Refused with UnsupportedParameter
     (a 400 naming the field): what the Executor cannot do as this adapter drives it
-    (top alternatives, prompt log-probabilities, logit_bias) and what needs more than a
-    Request (guided decoding needs a GuidedDecodingConfig in the ExecutorConfig; n > 1
-    needs responses dispatched by sequence_index)."""
-    refuse_unmapped(params)
+    (top alternatives, prompt log-probabilities, logit_bias, n > 1: that needs responses
+    dispatched by sequence_index)."""
+    refuse_unmapped(params, guided_unavailable)
     eos = () if params.ignore_eos else eos_token_ids
     stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
     # end_id ends generation and is not output; other stop ids become one-token stop
@@ -81,7 +85,6 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         # commutes with the temperature it applies first. presence/frequency: refused above.
         repetition_penalty=_unless(params.repetition_penalty, 1.0),
     )
-    extra = {} if params.priority == 0 else {"priority": trtllm_priority(params.priority)}
     return tx.Request(
         [int(t) for t in prompt], int(params.max_tokens),
         streaming=True,
@@ -92,8 +95,46 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
         pad_id=pad_id,
         stop_words=stop_words or None,
         bad_words=bad_words,
-        **extra,
+        priority=trtllm_priority(params.priority),  # 0 -> 0.5, TensorRT-LLM's default
+        guided_decoding_params=None if params.guided is None else guided_params(tx, params.guided),
     )
+
+
+# OpenAI's JSON mode: any JSON object (TensorRT-LLM's GuideType.JSON is xgrammar's built-in
+# JSON grammar, whose root is an object OR an array).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def compact_json_ebnf(schema: str) -> str:
+    """A JSON Schema as EBNF for compact JSON, printed by our xgrammar. GuideType.JSON_SCHEMA
+    would be compiled by TensorRT-LLM with CompileJSONSchema's defaults, which allow free
+    whitespace between tokens, and a model can then stall in whitespace until max_tokens
+    (the contract fake's toy does: test_guided.py); our torch backends generate compact JSON
+    (runtime/grammar.py), and so does this."""
+    import xgrammar as xgr
+
+    json.loads(schema)
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+def guided_params(tx: ModuleType, spec: GuidedSpec) -> Any:
+    """Our GuidedSpec -> TensorRT-LLM's GuidedDecodingParams: REGEX, or EBNF_GRAMMAR (JSON
+    kinds as compact-JSON EBNF, choices as alternatives); never STRUCTURAL_TAG, for which
+    the C++ runtime's GuidedDecoder (guidedDecoder.cpp) has no branch."""
+    from runtime.grammar import choice_ebnf
+
+    gt = tx.GuidedDecodingParams.GuideType
+    if spec.kind in ("json_object", "json_schema"):
+        schema = JSON_OBJECT_SCHEMA if spec.kind == "json_object" else spec.value
+        return tx.GuidedDecodingParams(gt.EBNF_GRAMMAR, guide=compact_json_ebnf(schema))
+    if spec.kind == "regex":
+        return tx.GuidedDecodingParams(gt.REGEX, guide=spec.value)
+    if spec.kind == "grammar":
+        return tx.GuidedDecodingParams(gt.EBNF_GRAMMAR, guide=spec.value)
+    if spec.kind == "choice":
+        return tx.GuidedDecodingParams(gt.EBNF_GRAMMAR, guide=choice_ebnf(spec.value))
+    raise UnsupportedParameter("guided", f"guided decoding of kind {spec.kind!r} is not "
+                               "supported by the trtllm backend")
 
 
 def trtllm_priority(priority: int) -> float:
@@ -116,7 +157,8 @@ _PROMPT_COUNTED = ("frequency_penalty * count and presence_penalty are subtracte
                    "of the output only; TensorRT-LLM counts the prompt's tokens too, so")
 
 
-def refuse_unmapped(params: SamplingParams) -> None:
+def refuse_unmapped(params: SamplingParams, guided_unavailable: str | None = NO_GUIDED_CONFIG
+                    ) -> None:
     refuse = [
         ("presence_penalty", params.presence_penalty != 0.0,
          f"{_PROMPT_COUNTED} presence_penalty is"),
@@ -129,11 +171,10 @@ def refuse_unmapped(params: SamplingParams) -> None:
         ("logit_bias", bool(params.logit_bias), "logit_bias is"),
         # Tool calls under a grammar (tool_choice required or named, or a chat template
         # without tool support: the generic format) come here too, named by their field.
-        ("guided", params.guided is not None, "grammar-constrained output (response_format, "
-         "guided_*, and tool calls that need a grammar: tool_choice 'required' or a named "
-         "function, or any tool use with a chat template that renders no tools) needs "
-         "TensorRT-LLM's guided decoding (a GuidedDecodingConfig in the ExecutorConfig), "
-         "which this adapter does not set up, so it is"),
+        ("guided", params.guided is not None and guided_unavailable is not None,
+         f"grammar-constrained output (response_format, guided_*, and tool calls that need a "
+         f"grammar) needs TensorRT-LLM's guided decoding, which is off here "
+         f"({guided_unavailable}), so it is"),
         ("num_sequences", params.num_sequences > 1, "more than one sequence per request "
          "(n, best_of) is"),
     ]

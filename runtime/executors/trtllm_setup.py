@@ -98,7 +98,47 @@ def kv_cache_config(fraction: float | None, tokens: int | None) -> Any:
     )
 
 
-def executor_config(kv: Any) -> Any:
+def guided_decoding_config(engine_dir: Path) -> tuple[Any, str | None]:
+    """(GuidedDecodingConfig, None), or (None, why not) when the engine's tokenizer cannot
+    give xgrammar its vocabulary.
+
+    As TensorRT-LLM's own LLM API builds it (`_xgrammar_tokenizer_info` in
+    tensorrt_llm/llmapi/tokenizer.py, for a fast tokenizer): the vocabulary's tokens sorted
+    by id (`encoded_vocab`), the serialized tokenizer (`tokenizer_str`, from which xgrammar
+    detects the vocabulary type), and the stop ids. TensorRT-LLM passes [eos_token_id]; we
+    pass every id that ends a sequence here (generation_config's eos ids, the tokenizer's,
+    the model config's), so that whichever ends the output, the grammar allows it once the
+    output is complete. Deterministic from the engine directory: every rank builds the same."""
+    import json
+
+    from runtime.tokenizer import FastTokenizer
+
+    tx = bindings()
+    try:
+        tok = FastTokenizer(engine_dir)
+        vocab = tok.get_vocab()
+        tokenizer_str = tok._tok.to_str()
+    except Exception as e:  # no tokenizer.json: no vocabulary for xgrammar
+        return None, f"the engine's tokenizer gives no vocabulary ({type(e).__name__}: {e})"
+    stops: list[int] = []
+    try:
+        gen = json.loads((engine_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        gen = None
+    stops += gen if isinstance(gen, list) else [] if gen is None else [gen]
+    eos = tok.eos_token_id
+    stops += list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    stops += list(load_model_config(engine_dir).eos_token_ids)
+    stops = [int(t) for t in dict.fromkeys(stops)]
+    if not stops:
+        return None, "the engine declares no eos token, so no grammar could ever end"
+    encoded = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    backend = tx.GuidedDecodingConfig.GuidedDecodingBackend.XGRAMMAR
+    return tx.GuidedDecodingConfig(backend, encoded_vocab=encoded, tokenizer_str=tokenizer_str,
+                                   stop_token_ids=stops), None
+
+
+def executor_config(kv: Any, guided: Any = None) -> Any:
     tx = bindings()
     return tx.ExecutorConfig(
         max_beam_width=1,
@@ -113,11 +153,13 @@ def executor_config(kv: Any) -> Any:
             communication_type=tx.CommunicationType.MPI,
             communication_mode=tx.CommunicationMode.LEADER,
         ),
+        guided_decoding_config=guided,
     )
 
 
-def construct_executor(engine_dir: Path, kv: Any) -> Any:
+def construct_executor(engine_dir: Path, kv: Any, guided: Any = None) -> Any:
     """Every rank: deserialize rank{N}.engine, allocate the KV cache, start the executor
-    thread (blocks until done). Raises whatever TensorRT-LLM raises."""
+    thread (blocks until done). Raises whatever TensorRT-LLM raises. `guided`: a
+    GuidedDecodingConfig (`guided_decoding_config`), or None for no structured output."""
     tx = bindings()
-    return tx.Executor(str(engine_dir), tx.ModelType.DECODER_ONLY, executor_config(kv))
+    return tx.Executor(str(engine_dir), tx.ModelType.DECODER_ONLY, executor_config(kv, guided))

@@ -41,6 +41,7 @@ from runtime.executors.trtllm import TrtllmExecutor
 from runtime.executors.trtllm_setup import (
     INSTALL,
     construct_executor,
+    guided_decoding_config,
     kv_cache_config,
     load_model_config,
     trtllm_missing,
@@ -208,9 +209,11 @@ class TrtllmBackend(Backend):
 
     def kernels(self, ev: Evidence) -> None:
         m = self.manifest
+        # Structured output: xgrammar's tokenizer information, on every rank alike.
+        guided, guided_off = guided_decoding_config(self.engine_dir)
         t0 = time.perf_counter()
         try:
-            self.executor = construct_executor(self.engine_dir, self.kv)
+            self.executor = construct_executor(self.engine_dir, self.kv, guided)
         except Exception as e:  # TensorRT(-LLM) says why on stderr; the exception is terse
             raise GateFailure(
                 "kernels", f"TensorRT-LLM could not construct the Executor for rank "
@@ -228,9 +231,10 @@ class TrtllmBackend(Backend):
                               "check the MPI launch (one process per engine rank, rank 0 first)")
         if self.rank == 0:
             self.adapter = TrtllmExecutor(self.executor, eos_token_ids=self.st.eos_token_ids,
-                                          pad_id=self.st.pad_id)
+                                          pad_id=self.st.pad_id, guided_unavailable=guided_off)
         ev.update(kind="TensorRT-LLM Executor (LEADER mode)", construct_s=round(secs, 3),
-                  ranks=ranks)
+                  ranks=ranks, guided_decoding="xgrammar" if guided_off is None
+                  else f"off: {guided_off}")
 
     # ---- 9 warmup (rank 0 drives; the others' executors follow the leader) --------------
 

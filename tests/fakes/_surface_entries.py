@@ -183,6 +183,23 @@ _CONFIGS = [
           note="the reference gives the fields, not the class name"),
 ]
 
+_GUIDED = [
+    # Not in the shared reference: read from TensorRT-LLM's source (docs/trtllm.md
+    # "Structured output"), cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp and
+    # request.cpp, so documented (ref "source").
+    Entry(f"{X}.GuidedDecodingConfig", "class", ref="source",
+          sig="backend, encoded_vocab=None, tokenizer_str=None, stop_token_ids=None",
+          note="executorConfig.cpp; read-write properties of the same names"),
+    Entry(f"{X}.GuidedDecodingConfig.GuidedDecodingBackend", "enum", ref="source",
+          members=_f("XGRAMMAR", "LLGUIDANCE"),
+          note="the C++ runtime (engine path) refuses LLGUIDANCE (guidedDecoder.cpp)"),
+    Entry(f"{X}.GuidedDecodingParams", "class", ref="source",
+          sig="guide_type, guide=None", note="request.cpp; guide_type and guide read-only"),
+    Entry(f"{X}.GuidedDecodingParams.GuideType", "enum", ref="source",
+          members=_f("JSON", "JSON_SCHEMA", "REGEX", "EBNF_GRAMMAR", "STRUCTURAL_TAG"),
+          note="the C++ GuidedDecoder has no STRUCTURAL_TAG branch (guidedDecoder.cpp)"),
+]
+
 _REQUESTS = [
     Entry(f"{X}.Request", "class", ref="§2.1", open=True,
           sig="input_token_ids, max_tokens, *, streaming=False, "
@@ -275,7 +292,7 @@ _NOT_FAKED = [
 ]
 
 ENTRIES: tuple[Entry, ...] = (
-    *_TOP, *_CHECKPOINT, *_BUILD, *_ENUMS, *_CONFIGS, *_REQUESTS, *_EXECUTOR, *_MPI,
+    *_TOP, *_CHECKPOINT, *_BUILD, *_ENUMS, *_CONFIGS, *_GUIDED, *_REQUESTS, *_EXECUTOR, *_MPI,
     *_NOT_FAKED
 )
 

@@ -179,9 +179,9 @@ def test_serve_end_to_end_under_mpirun(serving: Server, engine_tp2: Path,
 
 
 def test_tools_map_where_no_grammar_is_needed(serving: Server) -> None:
-    """tool_choice none is plain chat on trtllm. (Calls that need a grammar are refused by the
-    adapter as `guided`, test_sampling_fields.py; the generic format's prompt does not fit
-    this engine's 256 tokens, so the 400 naming tools is not reached here.)"""
+    """tool_choice none is plain chat on trtllm. (Calls that need a grammar go to TensorRT-LLM's
+    guided decoding, tests/trtllm/test_guided.py; the generic format's prompt does not fit
+    this engine's 256 tokens, so they are not driven over HTTP here.)"""
     import openai
 
     client = openai.OpenAI(base_url=serving.url + "/v1", api_key="unused", max_retries=0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,19 +124,24 @@ class ToyModel:
         min_tokens: int,
         offset: int = 0,
         pen: Penalties = NO_PENALTIES,
+        allowed: Callable[[int], bool] | None = None,
     ) -> int:
-        """The greedy token (`offset` 0), or the offset-th candidate after it (sampling)."""
+        """The greedy token (`offset` 0), or the offset-th candidate after it (sampling).
+        `allowed`: a grammar's mask (guided decoding); a token it forbids is skipped as a
+        banned one is (its logit masked to -inf)."""
         if pen.any:
             order = self.ranked(seq, pen)
             for cand in order[offset:] + order[:offset]:
                 banned_end = end_id is not None and cand == end_id and n_generated < min_tokens
-                if not banned_end and not _completes(seq, cand, bad_words):
+                if (not banned_end and not _completes(seq, cand, bad_words)
+                        and (allowed is None or allowed(cand))):
                     return cand
             raise RuntimeError("fake toy model: every token is banned")
         cand = (self.next_token(seq) + offset) % self.vocab_size
         for _ in range(self.vocab_size):
             banned_end = end_id is not None and cand == end_id and n_generated < min_tokens
-            if not banned_end and not _completes(seq, cand, bad_words):
+            if (not banned_end and not _completes(seq, cand, bad_words)
+                    and (allowed is None or allowed(cand))):
                 return cand
             cand = (cand + 1) % self.vocab_size
         raise RuntimeError("fake toy model: every token is banned")

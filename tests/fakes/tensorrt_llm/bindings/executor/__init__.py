@@ -19,6 +19,7 @@ from ._enums import (
     ModelType,
 )
 from ._executor import Executor
+from ._guided import GuidedDecodingConfig, GuidedDecodingParams
 from ._request import OutputConfig, Request, Response, Result, SamplingConfig
 from ._stats import InflightBatchingStats, IterationStats, KvCacheStats
 
@@ -31,6 +32,8 @@ __all__ = [
     "ExecutorConfig",
     "ExtendedRuntimePerfKnobConfig",
     "FinishReason",
+    "GuidedDecodingConfig",
+    "GuidedDecodingParams",
     "InflightBatchingStats",
     "IterationStats",
     "KvCacheConfig",

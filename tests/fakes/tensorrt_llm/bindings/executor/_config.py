@@ -6,6 +6,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ._enums import BatchingType, CapacitySchedulerPolicy, CommunicationMode, CommunicationType
+from ._guided import GuidedDecodingConfig
 from ._typed import Typed
 
 _INT = (int,)
@@ -133,6 +134,7 @@ class ExecutorConfig(Typed):
         "extended_runtime_perf_knob_config": (ExtendedRuntimePerfKnobConfig,),
         "recv_poll_period_ms": _INT,
         "gather_generation_logits": (bool,),
+        "guided_decoding_config": (GuidedDecodingConfig, None),
     }
 
     max_beam_width: int = 1
@@ -158,7 +160,7 @@ class ExecutorConfig(Typed):
     recv_poll_period_ms: int = 0
     max_seq_idle_microseconds: int | None = None
     spec_dec_config: Any = None
-    guided_decoding_config: Any = None
+    guided_decoding_config: GuidedDecodingConfig | None = None
     additional_model_outputs: Any = None
     cache_transceiver_config: Any = None
     gather_generation_logits: bool = False

@@ -23,6 +23,7 @@ from typing import Any
 from ..._fake import env, mpi
 from ._config import ExecutorConfig
 from ._enums import BatchingType, CommunicationMode, ModelType
+from ._guided import GuidedDecoder
 from ._load import ERR, LoadedEngine, kv_cache_blocks, load_engine
 from ._loop import Loop
 from ._request import Request
@@ -98,15 +99,20 @@ class Executor:
 
     def _try_load(
         self, model_path: Path, cfg: ExecutorConfig
-    ) -> tuple[tuple[LoadedEngine, int] | None, str | None]:
+    ) -> tuple[tuple[LoadedEngine, int, GuidedDecoder | None] | None, str | None]:
         try:
             eng = load_engine(model_path, self._world.rank, self._world.size)
-            return (eng, kv_cache_blocks(eng, cfg.kv_cache_config)), None
+            # TrtGptModelInflightBatching makes its GuidedDecoder on the last PP rank (every
+            # rank here: PP = 1) when the config has one; LLGUIDANCE is refused there.
+            gdc = cfg.guided_decoding_config
+            guided = None if gdc is None else GuidedDecoder(gdc, eng.toy.vocab_size)
+            return (eng, kv_cache_blocks(eng, cfg.kv_cache_config), guided), None
         except RuntimeError as e:
             return None, str(e)
 
     @staticmethod
-    def _start(eng: LoadedEngine, blocks: int, cfg: ExecutorConfig) -> Loop:
+    def _start(eng: LoadedEngine, blocks: int, guided: GuidedDecoder | None,
+               cfg: ExecutorConfig) -> Loop:
         # The executor keeps its own copy: later changes to the caller's config do nothing.
         cfg = copy.copy(cfg)
         cfg.scheduler_config = copy.copy(cfg.scheduler_config)
@@ -142,7 +148,7 @@ class Executor:
                 max_input_len = max_seq_len - 1
                 env.log("WARNING", f"maxInputLen is reduced to {max_input_len}")
         return Loop(eng, cfg, limits["max_batch_size"], limits["max_num_tokens"], blocks,
-                    max_seq_len, max_input_len)
+                    max_seq_len, max_input_len, guided)
 
     # -- leader-only API ---------------------------------------------------------------
     def _leader_loop(self, method: str) -> Loop:
@@ -246,6 +252,7 @@ def _fingerprint(cfg: ExecutorConfig) -> str:
             cfg.max_batch_size,
             cfg.max_num_tokens,
             cfg.max_queue_size,
+            cfg.guided_decoding_config is not None,
         )
     )
 

@@ -25,11 +25,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from ..._fake import env
 from ..._fake.toy import Penalties, ends_with_stop_word
 from ._config import ExecutorConfig
 from ._enums import CapacitySchedulerPolicy, FinishReason
+from ._guided import FORWARD_ERROR, GuidedDecoder
 from ._load import LoadedEngine
 from ._request import Request, Response, Result, SamplingConfig
 from ._stats import (
@@ -51,6 +53,7 @@ class Seq:
     generated: list[int] = field(default_factory=list)
     iters: int = 0
     rng: random.Random | None = None  # sampling requests only
+    matcher: Any = None  # xgrammar's GrammarMatcher, guided requests only
 
     def __post_init__(self) -> None:
         sc = self.req.sampling_config
@@ -75,8 +78,9 @@ class Loop:
         max_blocks: int,
         max_seq_len: int,
         max_input_len: int,
+        guided: GuidedDecoder | None = None,
     ) -> None:
-        self.eng, self.cfg = eng, cfg
+        self.eng, self.cfg, self.guided = eng, cfg, guided
         self.max_batch_size, self.max_num_tokens, self.max_blocks = (
             max_batch_size,
             max_num_tokens,
@@ -146,6 +150,9 @@ class Loop:
         self.active = [s for s in self.active if s.id not in self._finished]
         used_before = self._used(self.active)
         admitted = self._admit()
+        if not self._start_guides(admitted):
+            self._record(t0, admitted, [], 0, 0)
+            return
         stepped = self.active
         for seq in stepped:
             seq.iters += 1
@@ -155,6 +162,26 @@ class Loop:
         self.active = [s for s in stepped if s.id not in self._finished]  # frees their blocks
         n_ctx = sum(len(s.req.input_token_ids) for s in admitted)
         self._record(t0, admitted, stepped, n_ctx, new_blocks)
+
+    def _start_guides(self, admitted: list[Seq]) -> bool:
+        """Compile each admitted request's guide (guidedDecoder.cpp, first context step).
+        A guide that does not compile throws inside forwardAsync, and executorImpl.cpp's
+        terminateActiveRequests ends EVERY active request with that error."""
+        for seq in admitted:
+            params = seq.req.guided_decoding_params
+            if params is None or self.guided is None:
+                continue
+            try:
+                seq.matcher = self.guided.matcher(params)
+            except Exception as e:  # xgrammar's words, as the C++ exception carries them
+                err = FORWARD_ERROR + " ".join(str(e).split())
+                env.log("ERROR", err)
+                for s in self.active:
+                    self._finished.add(s.id)
+                    self.ready.append(Response(s.id, error_msg=err, client_id=s.req.client_id))
+                self.active = []
+                return False
+        return True
 
     def _early_finish(self, seq: Seq, now: float) -> FinishReason | None:
         if seq.id in self.cancelled:
@@ -209,9 +236,15 @@ class Loop:
         sc = r.sampling_config
         pen = Penalties(sc.temperature, sc.repetition_penalty, sc.presence_penalty,
                         sc.frequency_penalty)
+        allowed = None
+        if seq.matcher is not None:
+            allowed = GuidedDecoder.allowed(seq.matcher, self.eng.toy.vocab_size)
         tok = self.eng.toy.choose(
-            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens, offset, pen
+            seq_tokens, len(seq.generated), r.end_id, r.bad_words or [], min_tokens, offset, pen,
+            allowed,
         )
+        if seq.matcher is not None and not seq.matcher.is_terminated():
+            seq.matcher.accept_token(tok)
         if r.end_id is not None and tok == r.end_id:
             self._finish(seq, FinishReason.END_ID, [])  # end_id is not an output token
             return

@@ -7,6 +7,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from ._enums import FinishReason
+from ._guided import BEAM_SEARCH, GuidedDecodingParams
 from ._typed import Typed, int_list, int_lists
 
 _OPT_INT = (int, None)
@@ -84,6 +85,7 @@ class Request(Typed):
         "priority": (float,),
         "num_return_sequences": (int,),
         "allotted_time_ms": _OPT_INT,
+        "guided_decoding_params": (GuidedDecodingParams, None),
     }
     __slots__ = (
         "_max_tokens",
@@ -121,7 +123,7 @@ class Request(Typed):
         return_all_generated_tokens: bool = False,
         priority: float = 0.5,
         num_return_sequences: int = 1,
-        guided_decoding_params: Any = None,
+        guided_decoding_params: GuidedDecodingParams | None = None,
         allotted_time_ms: int | None = None,
     ) -> None:
         self.input_token_ids = int_list(input_token_ids, "Request.input_token_ids")
@@ -142,6 +144,8 @@ class Request(Typed):
         self.num_return_sequences = num_return_sequences
         self.guided_decoding_params = guided_decoding_params
         self.allotted_time_ms = allotted_time_ms
+        if guided_decoding_params is not None and self.sampling_config.beam_width > 1:
+            raise RuntimeError(BEAM_SEARCH)  # executor/request.cpp, Request::Impl
 
     @property
     def max_tokens(self) -> int:

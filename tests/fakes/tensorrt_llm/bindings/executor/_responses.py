@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..._fake import env
+from ._guided import NO_DECODER, STRUCTURAL_TAG
 from ._loop import Loop, Seq
 from ._request import Request, Response
 
@@ -84,8 +85,6 @@ def _check_supported(r: Request) -> None:
     sc = r.sampling_config
     if sc.beam_width != 1 or r.num_return_sequences != 1 or (sc.num_return_sequences or 1) != 1:
         raise NotImplementedError("the TensorRT-LLM fake supports beam width 1, one sequence")
-    if r.guided_decoding_params is not None:
-        raise NotImplementedError("the TensorRT-LLM fake supports no guided decoding")
     oc = r.output_config
     if oc.return_context_logits or oc.return_generation_logits or oc.return_encoder_output:
         raise NotImplementedError("the TensorRT-LLM fake returns no logits or encoder output")
@@ -95,6 +94,12 @@ def _validate(loop: Loop, r: Request) -> tuple[str | None, int]:
     """-> (error message for an error Response, max_tokens clamped to max_seq_len). The limits
     are the engine's, or smaller when the KV cache made the Executor shrink them."""
     n_in = len(r.input_token_ids)
+    if r.guided_decoding_params is not None and loop.guided is None:
+        # executorImpl.cpp fetchNewRequests: an error response, not an exception at enqueue.
+        return NO_DECODER, 0
+    if (r.guided_decoding_params is not None
+            and r.guided_decoding_params.guide_type.name == "STRUCTURAL_TAG"):
+        return STRUCTURAL_TAG, 0
     if n_in == 0:
         return "Input token ids are empty", 0
     if n_in > loop.max_input_len:
