@@ -71,6 +71,10 @@ class _Live:
 class TrtllmExecutor:
     """Implements `runtime.types.Executor` on the leader rank over a constructed Executor."""
 
+    # No GuidedDecodingConfig is set up: a grammar is refused (trtllm_request.py), so tool
+    # calls with tool_choice auto are parsed from free text (serve/api/tools.py's prepare).
+    guided_decoding = False
+
     def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
                  poll_s: float = POLL_S) -> None:
         self._ex = ex
