@@ -73,6 +73,13 @@ class _Live:
 class TrtllmExecutor:
     """Implements `runtime.types.Executor` on the leader rank over a constructed Executor."""
 
+    # tool_choice auto's grammar (serve/api/tool_grammars.py) is a structural tag, printed
+    # as EBNF with xgrammar 0.2's TagDispatch; TensorRT-LLM links its own xgrammar (0.1.x
+    # pinned), which may not parse it, and there a guide that fails to compile ends the
+    # whole active batch. So auto's calls are parsed from free text on trtllm
+    # (serve/api/tools.py's prepare); required / named / generic grammars are plain EBNF.
+    guided_decoding = False
+
     def __init__(self, ex: Any, *, eos_token_ids: tuple[int, ...] = (), pad_id: int = 0,
                  poll_s: float = POLL_S, guided_unavailable: str | None = NO_GUIDED_CONFIG
                  ) -> None:

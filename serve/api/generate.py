@@ -176,9 +176,10 @@ async def _generate(request: web.Request, state: ServerState, parse: Parse,
     if state.tokenizer is None:
         raise unavailable(state)
     if req.tools is not None:  # the tool format, its prompt and grammar (xgrammar: off-loop)
+        # An executor without grammars (trtllm's guided_decoding False) leaves auto free.
         req = await asyncio.get_running_loop().run_in_executor(
             None, prepare_tools, req, getattr(state.tokenizer, "chat_template", None),
-            state.tool_parser)
+            state.tool_parser, getattr(state.executor, "guided_decoding", True))
     prompts, params = await asyncio.get_running_loop().run_in_executor(
         None, _prepare, state, req)
     if req.guided is not None:

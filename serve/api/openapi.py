@@ -21,6 +21,7 @@ from serve.api.params import (
 )
 from serve.api.protocol import MAX_PROMPTS
 from serve.api.state import ServerState
+from serve.api.tools import MAX_TOOLS
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -99,15 +100,54 @@ _COMPLETION_REQUEST = {
                    "logprobs": _TOP, "echo": {"type": ["boolean", "null"]},
                    "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
                    "suffix": {"enum": ["", None]}}}
+# Chat messages (serve/api/protocol.py, tools.py's parse_message): text content, or text
+# parts; an assistant's may be null beside its tool calls; a tool result names its call.
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}
+_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"},
+        "arguments": {"type": ["string", "object"],
+                      "description": "the arguments as JSON text (an object is accepted "
+                                     "too); default {}"}}}}}
+_MESSAGE = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT}},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": ["assistant"]},
+        "content": {"anyOf": [*_CONTENT["anyOf"], {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _CALL}}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+        "role": {"enum": ["tool"]}, "content": _CONTENT,
+        "tool_call_id": {"type": "string"}, "name": {"type": "string"}}}]}
+_TOOL = {"type": "object", "required": ["function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {
+                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                     "description": {"type": ["string", "null"]},
+                     "parameters": {"type": ["object", "null"],
+                                    "properties": {"type": {"enum": ["object"]}},
+                                    "description": "a JSON Schema of the arguments object "
+                                                   "(default: any object)"},
+                     "strict": {"type": ["boolean", "null"]}}}}}
 _CHAT_REQUEST = {
     "type": "object", "required": ["messages"], "additionalProperties": False,
     "properties": {**_SAMPLING, "max_tokens": _TOKENS, "max_completion_tokens": _TOKENS,
                    "logprobs": {"type": ["boolean", "null"]}, "top_logprobs": _TOP,
-                   "messages": {"type": "array", "minItems": 1, "items": {
-                       "type": "object", "required": ["role", "content"],
-                       "properties": {"role": {"enum": ["system", "developer", "user",
-                                                        "assistant", "tool"]},
-                                      "content": {"type": "string"}}}}}}
+                   "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                   "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": _TOOL,
+                             "description": "function tools; tool_choice other than none and "
+                                            "auto needs at least one"},
+                   "tool_choice": {"anyOf": [
+                       {"enum": ["none", "auto", "required", None]},
+                       {"type": "object", "required": ["type", "function"], "properties": {
+                           "type": {"enum": ["function"]},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}}}}]},
+                   "parallel_tool_calls": {"type": ["boolean", "null"]}}}
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
 _RESPONSES_REQUEST = {

@@ -14,8 +14,9 @@ Formats (`--tool-parser`, else detected from the chat template):
                `[TOOL_CALLS]name[ARGS]{...}`).
 For the template formats the template renders the tools (its `tools` variable, as
 transformers' apply_chat_template passes it); `required` and a named function are
-constrained by an EBNF grammar built from the tools' schemas (so valid too), `auto` is
-parsed from free text (as vLLM does).
+constrained by an EBNF grammar built from the tools' schemas (so valid too), and `auto`
+by a grammar of free text in which every call the model starts is constrained the same way
+(serve/api/tool_grammars.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from runtime.types import GuidedSpec
 from serve.api.fields import ApiError, bad, tname
+from serve.api.tool_grammars import auto_grammar, call_schema, required_grammar
 
 FORMATS = ("generic", "hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
@@ -214,14 +216,8 @@ def detect_format(template: str | None) -> str:
     return "generic"
 
 
-def _call_schema(tool: Tool, args_key: str = "arguments") -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             args_key: tool.parameters},
-            "required": ["name", args_key], "additionalProperties": False}
-
-
 def _calls_schema(spec: ToolSpec) -> dict[str, Any]:
-    calls = [_call_schema(t) for t in spec.allowed()]
+    calls = [call_schema(t) for t in spec.allowed()]
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if spec.named or not spec.parallel:
@@ -285,40 +281,12 @@ def _generic_messages(messages: Sequence[Mapping[str, Any]], spec: ToolSpec
     return tuple(out)
 
 
-def _native_grammar(spec: ToolSpec) -> str:
-    """EBNF for required / named calls in a template format: the markers around JSON
-    constrained by the call schema (xgrammar builds the JSON part from the schema)."""
-    import xgrammar as xgr
-
-    fmt = spec.fmt
-    key = "parameters" if fmt == "llama3_json" else "arguments"
-    calls = [_call_schema(t, key) for t in spec.allowed()]
-    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    many = spec.parallel and not spec.named
-    if fmt == "mistral":
-        array: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
-        if not many:
-            array["maxItems"] = 1
-        schema, before, after, sep = array, "[TOOL_CALLS]", "", None
-    elif fmt == "hermes":
-        schema, before, after, sep = one, "<tool_call>\n", "\n</tool_call>", "\n" if many \
-            else None
-    else:  # llama3_json: one call (Llama 3.1's template does not take parallel calls)
-        schema, before, after, sep = one, "", "", None
-    json_part = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}") for s in (before, after) if s]
-    body = xgr.Grammar.concat(*parts[:1], json_part, *parts[1:]) if before else \
-        xgr.Grammar.concat(json_part, *parts)
-    text = str(body)
-    if sep is None:
-        return text
-    text = re.sub(r"^root ::= ", "tool_call ::= ", text, count=1, flags=re.M)
-    return f"root ::= tool_call ({json.dumps(sep)} tool_call)*\n{text}"
-
-
-def prepare(req: Any, template: str | None, parser: str | None) -> Any:
+def prepare(req: Any, template: str | None, parser: str | None,
+            constrain_auto: bool = True) -> Any:
     """A chat request with tools, ready for the template: its format chosen, its messages
-    rewritten for the generic format, its grammar set (ApiError when it cannot be)."""
+    rewritten for the generic format, its grammar set (ApiError when it cannot be).
+    `constrain_auto` False (a backend without grammars): `auto` in a template format is
+    parsed from free text only."""
     spec: ToolSpec = req.tools
     fmt = parser or detect_format(template)
     spec = replace(spec, fmt=fmt)
@@ -332,9 +300,12 @@ def prepare(req: Any, template: str | None, parser: str | None) -> Any:
         messages = _generic_messages(messages, spec)
         guided = GuidedSpec("json_schema", json.dumps(generic_schema(spec)))
         guided_param = "tool_choice" if spec.named else "tools"
-    elif spec.must_call:
+    elif spec.must_call or (constrain_auto and guided is None):
+        # auto with response_format / guided_*: theirs is the grammar, calls are parsed.
+        build = required_grammar if spec.must_call else auto_grammar
         try:
-            guided = GuidedSpec("grammar", _native_grammar(spec))
+            guided = GuidedSpec("grammar", build(spec.allowed(), fmt,
+                                                 spec.parallel and not spec.named))
         except Exception as exc:  # xgrammar's error for a schema it cannot build
             raise bad("tools", f"'tools' parameters do not compile to a grammar: {exc}") \
                 from None

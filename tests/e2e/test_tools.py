@@ -1,6 +1,7 @@
 """Chat tool calling end to end on the SmolLM2 demo model (whose template knows nothing of
-tools: the generic format), with the real `openai` client and two agent libraries nobody
-here wrote (the OpenAI Agents SDK, pydantic-ai). The model is 135M parameters: validity
+tools: the generic format; and under a Hermes-style `--chat-template` with `--tool-parser
+hermes`, for `auto` in a template format), with the real `openai` client and two agent
+libraries nobody here wrote (the OpenAI Agents SDK, pydantic-ai). The model is 135M parameters: validity
 comes from the grammar, so every call is checked against its tool's schema with jsonschema,
 over several seeds at temperature 1."""
 
@@ -164,6 +165,117 @@ def test_bad_tools_are_400s_naming_the_field(tools_server: Server, extra: dict,
         tools_server.client().chat.completions.create(model=MODEL, messages=ASK,
                                                       max_tokens=8, **extra)
     assert info.value.body["param"] == param, info.value.body
+
+
+# ---- auto in a template format (hermes): free text, then every call constrained -------------
+
+# A Hermes-style template for SmolLM2 (ChatML): the tools in a system message, calls as
+# <tool_call> JSON, results as <tool_response> user turns (as Qwen 2.5's template does).
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}You may call one or more functions to assist with the user query. The functions, \
+in <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each function call, return a JSON object with the function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role != 'system' %}<|im_start|>system
+You are a helpful AI assistant.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% if not tools %}<|im_start|>system
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}
+{%- for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _shot(city: str, k: int) -> list[dict]:
+    args = json.dumps({"city": city, "unit": "celsius"})
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{k}", "type": "function",
+                "function": {"name": "get_weather", "arguments": args}}]}]
+
+
+# Earlier turns that called the tool: a 135M model then starts a call of its own.
+FEW_SHOT = [*_shot("Berlin", 1), *_shot("Rome", 2), *_shot("Madrid", 3),
+            {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def hermes_server(smollm2_engine: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Server]:
+    work = tmp_path_factory.mktemp("hermes-server")
+    template = work / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    srv = launch(smollm2_engine, work, n=1,
+                 args=("--tool-parser", "hermes", "--chat-template", str(template)))
+    try:
+        srv.wait_ready(timeout=300)
+        yield srv
+    finally:
+        srv.close()
+
+
+def test_hermes_auto_calls_validly_once_started_and_leaves_text_free(hermes_server: Server
+                                                                     ) -> None:
+    client = hermes_server.client()
+    calls = 0
+    for seed, temperature in ((0, 0.0), *((s, 1.0) for s in SEEDS)):  # greedy, sampled
+        out = client.chat.completions.create(
+            model=MODEL, messages=FEW_SHOT, tools=[WEATHER, TIME], max_tokens=120, seed=seed,
+            temperature=temperature)
+        choice = out.choices[0]
+        if choice.message.tool_calls:  # whatever the model began, it parsed and validates
+            assert choice.finish_reason == "tool_calls"
+            _valid_calls(choice.message.tool_calls)
+            calls += 1
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert calls >= 1, "the model never started a call"
+    # A plain question: free text, not forced into a call (greedy: the same answer each run).
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello in French."}],
+        tools=[WEATHER], max_tokens=24, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+def test_a_streamed_hermes_auto_call_is_assembled_by_the_client(hermes_server: Server) -> None:
+    client = hermes_server.client()
+    kwargs = {"model": MODEL, "messages": FEW_SHOT, "tools": [WEATHER], "max_tokens": 120,
+              "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+    assert _valid_calls(final.choices[0].message.tool_calls) == _valid_calls(
+        whole.choices[0].message.tool_calls)
 
 
 # ---- agent libraries -----------------------------------------------------------------------

@@ -235,3 +235,97 @@ def test_a_named_call_grammar_allows_that_function_only() -> None:
                     '{"tz": "UTC"}}\n</tool_call>')
     assert not _accepts(out.guided.value, '<tool_call>\n{"name": "get_weather", "arguments": '
                         '{"city": "Paris"}}\n</tool_call>')
+
+
+# ---- auto in the template formats: free text, then every call constrained ------------------
+
+_PIECE = r"<tool_call>|</tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>|\w+|\s|."
+
+
+def _walk(ebnf: str, text: str) -> tuple[list[str], int, bool]:
+    """`text` cut into tokens (markers whole, as in the models' vocabularies) and fed one by
+    one to a GrammarMatcher over that tiny vocabulary: the tokens, how many were accepted,
+    and whether the output may end there (the stop token accepted)."""
+    import re
+
+    import xgrammar as xgr
+
+    pieces = re.findall(_PIECE, text)
+    vocab = sorted(set(pieces) | {"</s>"})
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[vocab.index("</s>")])
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(ebnf))
+    for k, piece in enumerate(pieces):
+        if not matcher.accept_token(vocab.index(piece)):
+            return pieces, k, False
+    return pieces, len(pieces), matcher.accept_token(vocab.index("</s>"))
+
+
+def _auto(fmt: str, parallel: bool = True) -> Any:
+    out = prepare(_chat(tools=[WEATHER, TIME], parallel_tool_calls=parallel), None, fmt)
+    assert (out.guided.kind, out.guided_param) == ("grammar", "tools")
+    return out.guided.value
+
+
+@pytest.mark.parametrize(("fmt", "text"), [
+    ("hermes", "It is sunny in Paris, 21 C. Anything else?"),
+    ("mistral", "Paris: sunny [source: meteo], {21 C}."),
+    ("llama3_json", "The weather is {fine}; see <b>this</b>."),
+])
+def test_auto_grammars_leave_text_free(fmt: str, text: str) -> None:
+    pieces, accepted, ends = _walk(_auto(fmt), text)
+    assert accepted == len(pieces) and ends
+    assert parse_output(fmt, text) == (text, [])
+
+
+@pytest.mark.parametrize(("fmt", "parallel", "text", "calls"), [
+    ("hermes", True, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+     '{"tz": "CET"}}\n</tool_call>', ["get_weather", "get_time"]),
+    ("hermes", False, 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+     '</tool_call>', ["get_time"]),
+    ("mistral", True, 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}, {"name": "get_time", "arguments": {"tz": "CET"}}]', ["get_weather", "get_time"]),
+    ("mistral", True, '[{"name": "get_time", "arguments": {"tz": "CET"}}]', ["get_time"]),
+    ("llama3_json", True, '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     ["get_weather"]),
+    ("llama3_json", True, '<|python_tag|>{"name": "get_time", "parameters": {"tz": "CET"}}',
+     ["get_time"]),
+])
+def test_auto_grammars_accept_valid_calls_after_text(fmt: str, parallel: bool, text: str,
+                                                     calls: list[str]) -> None:
+    pieces, accepted, ends = _walk(_auto(fmt, parallel), text)
+    assert accepted == len(pieces) and ends
+    assert [c.name for c in parse_output(fmt, text)[1]] == calls
+
+
+@pytest.mark.parametrize(("fmt", "parallel", "text", "trigger"), [
+    # arguments off the schema, an unknown tool, a second call with parallel calls off
+    ("hermes", True, 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+     '{"town": "Paris"}}\n</tool_call>', "<tool_call>"),
+    ("hermes", True, 'Hm. <tool_call>\n{"name": "get_news", "arguments": {}}\n</tool_call>',
+     "<tool_call>"),
+    ("hermes", True, '<tool_call>\n{"name":"get_time","arguments":{"tz":"CET"}}\n</tool_call>',
+     "<tool_call>"),
+    ("hermes", False, '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+     '</tool_call>', "</tool_call>"),
+    ("mistral", True, 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"unit": '
+     '"c"}}]', "[TOOL_CALLS]"),
+    ("mistral", True, '[{"name": "get_time", "arguments": {"tz": 1}}]', "["),
+    ("llama3_json", True, '{"name": "get_weather", "parameters": {"city": 7}}', "{"),
+    ("llama3_json", True, '{"name": "get_time", "arguments": {"tz": "CET"}}', "{"),
+])
+def test_auto_grammars_refuse_an_invalid_call_once_started(fmt: str, parallel: bool,
+                                                           text: str, trigger: str) -> None:
+    pieces, accepted, ends = _walk(_auto(fmt, parallel), text)
+    assert not ends and pieces.index(trigger) < accepted < len(pieces), (pieces, accepted)
+
+
+def test_auto_keeps_response_format_and_a_backend_without_grammars_parses_only() -> None:
+    req = _chat(tools=[WEATHER], response_format={"type": "json_object"})
+    assert prepare(req, None, "hermes").guided == req.guided  # theirs, calls parsed
+    assert prepare(_chat(tools=[WEATHER]), None, "hermes", constrain_auto=False).guided is None
+    # required stays a grammar of calls only, whatever the backend (it refuses grammars)
+    req = _chat(tools=[WEATHER], tool_choice="required")
+    assert prepare(req, None, "hermes", constrain_auto=False).guided.kind == "grammar"
