@@ -27,7 +27,7 @@ def test_gemma3_270m_from_the_wheels_generates_what_transformers_does(tmp_path: 
                                       store=str(tmp_path / "engines")))
     manifest = json.loads((result.engine_dir / "manifest.json").read_text())
     assert manifest["source"]["format"] == FORMAT
-    config = json.loads((result.engine_dir / "config.json").read_text())
+    config = json.loads((result.engine_dir / "config.json").read_text())["hf_config"]
     assert (config["architectures"], config["vocab_size"], config["head_dim"],
             config["num_key_value_heads"], config["sliding_window"]) == (
         ["Gemma3ForCausalLM"], 262144, 256, 1, 512)
