@@ -62,6 +62,9 @@ class Source:
     uri: str  # as the user gave it
     revision: str | None  # the immutable revision it resolved to (hf commit, gguf sha256)
     digest: str  # checkpoint_digest over the checkpoint files
+    # What the weights were stored as before the build, when not plain floats (a GGUF's
+    # block types: "GGUF Q4_K_M: Q4_K x27, Q6_K x9, ..."); recorded only when set.
+    format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class Manifest:
                 "uri": self.source.uri,
                 "revision": self.source.revision,
                 "digest": self.source.digest,
+                **({"format": self.source.format} if self.source.format else {}),
             },
             "backend": self.backend,
             "target": self.target.to_dict(),
@@ -145,7 +149,8 @@ class Manifest:
             schema_version=version,
             engine_id=str(d["engine_id"]),
             model_name=str(d["model_name"]),
-            source=Source(uri=src["uri"], revision=src.get("revision"), digest=src["digest"]),
+            source=Source(uri=src["uri"], revision=src.get("revision"), digest=src["digest"],
+                          format=str(src.get("format", ""))),
             backend=d["backend"],
             target=Target.from_dict(d["target"]),
             tp=tp,

@@ -264,7 +264,8 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
         manifest = Manifest(
             engine_id=eid,
             model_name=src.name,
-            source=Source(uri=src.uri, revision=src.revision, digest=plan.digest),
+            source=Source(uri=src.uri, revision=src.revision, digest=plan.digest,
+                          format=src.format),
             backend=cfg.backend,
             target=target,
             tp=cfg.tp,

@@ -33,8 +33,20 @@ def resolve_gguf(
     check_checkpoint(out)
     return ResolvedSource(
         uri=uri, local_dir=out, revision=f"sha256:{sha}", kind="gguf", name=safe_name(path.stem),
-        gguf_file=path,
+        gguf_file=path, format=_marked_format(out, path),
     )
+
+
+def _marked_format(out: Path, path: Path) -> str:
+    """The block types the dequantization recorded; read again from a cache entry made
+    before it recorded them."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if fmt := json.loads((out / COMPLETE_MARKER).read_text()).get("format"):
+            return str(fmt)
+    try:
+        return gguf_format(path)
+    except Exception:  # the gguf reader raises many types; the record is not worth a refusal
+        return "GGUF"
 
 
 def check_gguf(path: Path) -> None:
@@ -68,17 +80,94 @@ def _cache_error(cache: Path, e: BaseException) -> BuildError:
     )
 
 
+def gguf_format(path: Path, reader=None) -> str:
+    """What the GGUF stores its tensors as: "GGUF Q4_K_M: F32 x109, Q4_K x27, ..."."""
+    from collections import Counter
+
+    from gguf import GGUFReader, LlamaFileType
+
+    reader = reader or GGUFReader(str(path))
+    counts = Counter(t.tensor_type.name for t in reader.tensors)
+    label = "GGUF"
+    if (ft := reader.fields.get("general.file_type")) is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            label += " " + LlamaFileType(int(ft.contents())).name.removeprefix("MOSTLY_")
+    return f"{label}: " + ", ".join(f"{t} x{n}" for t, n in sorted(counts.items()))
+
+
+def _read_gguf(gguf: Path):  # -> (config, tokenizer, {hf name: float32 tensor}, format)
+    """The GGUF as transformers reads it (config, tokenizer, tensor names and the fix-ups of
+    its TensorProcessors: Llama's q/k rows, Gemma's norms stored as 1 + w), but every block
+    dequantized by pipeline/gguf_blocks.py (bit-exact, vectorized) instead of numpy one
+    tensor type at a time. Loading the model with ``gguf_file=`` gives the same tensors."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    from pipeline.gguf_blocks import dequantize
+
+    where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(**where)
+    tokenizer = AutoTokenizer.from_pretrained(**where)
+    # Each parse of the metadata (262,144 token strings for Gemma) costs seconds: the processors
+    # get the config's own keys, which are the ones they read (head counts, experts).
+    parsed: dict = {"tensors": {}}
+    reader = GGUFReader(str(gguf))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    text_config = config.get_text_config()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=text_config.to_dict())
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    for t in reader.tensors:
+        try:
+            w = dequantize(t.data, t.tensor_type.name).numpy()
+        except NotImplementedError as e:
+            raise BuildError(f"{gguf.name}: {t.name} is {t.tensor_type.name}, which we do not "
+                             "dequantize", "requantize it with llama-quantize to a K-quant "
+                             "(Q4_K_M, Q5_K_M, Q6_K) or Q8_0") from e
+        r = processor.process(weights=w, name=t.name, tensor_key_mapping=names,
+                              parsed_parameters=parsed)
+        if r.name in names:
+            parsed["tensors"][names[r.name]] = torch.from_numpy(np.ascontiguousarray(r.weights))
+    tensors = parsed["tensors"]
+    wanted = set(skeleton.state_dict())
+    if text_config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise BuildError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}", "give a complete GGUF file")
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    for k, v in tensors.items():
+        if k in shapes and tuple(v.shape) != shapes[k]:
+            raise BuildError(f"{gguf.name}: {k} is {tuple(v.shape)}, the config says {shapes[k]}",
+                             "give a GGUF whose metadata matches its tensors")
+    config.architectures = [type(skeleton).__name__]
+    config.dtype = "float32"
+    kept = {k: v for k, v in tensors.items() if k in wanted}
+    return config, tokenizer, kept, gguf_format(gguf, reader)
+
+
 def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None) -> Path:
     """Dequantize a GGUF into a float32 Hugging Face checkpoint (with tokenizer) at ``out_dir``.
 
     Written to a temporary sibling and renamed, with a completion marker, so an interrupted
-    run is redone rather than reused. float32 because Q4/Q8 blocks dequantize (scale x int +
-    min) exactly in float32 and not in bfloat16; the build casts to the engine dtype anyway.
+    run is redone rather than reused. float32 because the blocks (Q4/Q5/Q8 and the K-quants:
+    scale x int - min) dequantize exactly in float32 and not in bfloat16; the build casts to
+    the engine dtype anyway.
     """
     check_gguf(gguf)
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -92,28 +181,23 @@ def dequantize_gguf(gguf: Path, out_dir: Path, progress: Progress | None = None)
             raise _cache_error(out_dir.parent, e) from e
         with progress.stage("dequantize gguf"):
             try:
-                # The GGUF loader draws its own tqdm bar, which ignores transformers' switch.
+                # transformers' GGUF reading draws its own tqdm bars, which ignore its switch.
                 with contextlib.redirect_stderr(io.StringIO()):
-                    model = AutoModelForCausalLM.from_pretrained(
-                        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-                    )
-                    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                    config, tokenizer, tensors, fmt = _read_gguf(gguf)
+            except BuildError:
+                raise
             except Exception as e:  # transformers raises many types for a bad file
                 raise BuildError(
                     f"cannot read GGUF file {gguf}: {e.__class__.__name__}: {e}",
-                    "give a complete llama-family .gguf file that transformers can dequantize",
+                    "give a complete .gguf file of an architecture transformers reads",
                 ) from e
-            # The loaded model still says it is GGUF-quantized; saving it so would make
-            # from_pretrained look for a GGUF again. Drop both traces of the quantizer.
-            if getattr(model.config, "quantization_config", None) is not None:
-                del model.config.quantization_config
-            if hasattr(model, "hf_quantizer"):
-                del model.hf_quantizer
             try:
-                model.save_pretrained(tmp)
+                save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                config.save_pretrained(tmp)
+                GenerationConfig.from_model_config(config).save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
                 (tmp / COMPLETE_MARKER).write_text(
-                    json.dumps({"gguf": gguf.name, "dtype": "float32"}) + "\n"
+                    json.dumps({"gguf": gguf.name, "dtype": "float32", "format": fmt}) + "\n"
                 )
             except Exception as e:
                 if is_disk_full(e):

@@ -46,6 +46,7 @@ class ResolvedSource:
     kind: str  # "local" | "hf" | "gguf"
     name: str  # the model name engines are stored under
     gguf_file: Path | None = None  # the .gguf itself (kind "gguf"): quantized blocks come from it
+    format: str = ""  # gguf: its block types (manifest source.format)
 
 
 def safe_name(text: str) -> str:

@@ -82,6 +82,15 @@ def test_round_trip_and_clean_check(engine: Path) -> None:
     assert check_engine_files(engine, m) == []
 
 
+def test_the_source_format_is_recorded_only_when_set(engine: Path) -> None:
+    m = read_manifest(engine)
+    assert m.source.format == "" and "format" not in m.to_dict()["source"]  # older manifests
+    fmt = "GGUF Q4_K_M: F32 x109, Q4_K x27, Q5_0 x81, Q6_K x9, Q8_0 x10"
+    write_manifest(engine, dataclasses.replace(m, source=dataclasses.replace(m.source, format=fmt)))
+    assert read_manifest(engine).source.format == fmt
+    assert json.loads((engine / "manifest.json").read_text())["source"]["format"] == fmt
+
+
 def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engine: Path) -> None:
     m = read_manifest(engine)
     assert m.weight_layout == "rows" and "weight_layout" not in m.to_dict()
