@@ -62,7 +62,12 @@ class CompletionLogprobs:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
                 continue
-            top = {self.texts.text(t): _lp(v) for t, v in lp.top}
+            # Most probable first: a text that several tokens decode to (byte-fallback
+            # pieces all read "\ufffd") keeps its most probable token's value, as the chosen
+            # token's row in transformers' top-k does.
+            top: dict[str, float] = {}
+            for t, v in lp.top:
+                top.setdefault(self.texts.text(t), _lp(v))
             top.setdefault(text, _lp(lp.logprob))
             self.token_logprobs.append(_lp(lp.logprob))
             self.top_logprobs.append(top)

@@ -60,3 +60,17 @@ def test_a_stop_string_ends_the_choice_and_max_tokens_zero_shows_nothing(tok) ->
     discard = Choice(1, OutputText(tok, []), None, discard=True)
     assert discard.push(ids[:1], None, "length") == "" and discard.finish == "length"
     assert discard.num_tokens == 0
+
+
+def test_a_text_several_top_tokens_share_keeps_the_most_probable(tok) -> None:
+    """Byte-fallback pieces of one character all read U+FFFD alone: the completions
+    top_logprobs dict (text -> value) keeps the best of them, not the last."""
+    texts = TokenTexts(tok)
+    pieces = [i for i in range(len(tok)) if texts.text(i) == "\ufffd"][:3]
+    assert len(pieces) == 3, "the tiny tokenizer has byte-fallback pieces"
+    choice = Choice(0, OutputText(tok, []), CompletionLogprobs(texts))
+    best = TokenLogprob(pieces[0], -1.0, ((pieces[0], -1.0), (pieces[1], -1.5),
+                                          (pieces[2], -2.0)))
+    choice.push([pieces[0]], [best], None)
+    assert choice.logprobs is not None
+    assert choice.logprobs.take()["top_logprobs"] == [{"\ufffd": -1.0}]
