@@ -300,8 +300,11 @@ def test_openai_agents_sdk_runs_a_function_tool(tools_server: Server) -> None:
                                               openai_client=tools_server.async_client())
     agent = agents.Agent(name="weather", instructions="Answer weather questions.",
                          tools=[get_weather], model=model,
+                         # Greedy: a sampled draw may spend max_tokens inside a string
+                         # argument (the schema bounds none), and the run would then
+                         # depend on the draw.
                          model_settings=agents.ModelSettings(tool_choice="required",
-                                                             max_tokens=100),
+                                                             max_tokens=200, temperature=0),
                          tool_use_behavior="stop_on_first_tool")
     result = asyncio.run(agents.Runner.run(agent, "Weather in Paris?", max_turns=2))
     assert len(seen) == 1 and isinstance(seen[0][0], str)
