@@ -30,8 +30,9 @@ from bench.common import REPO, free_port
 HOST = "127.0.0.1"
 
 
-def build_demo_engine(store: Path, tp: int, profile: Sequence[str]) -> Path:
-    """The SmolLM2-135M demo checkpoint built as an eager engine (a cache hit when built)."""
+def build_demo_engine(store: Path, tp: int, profile: Sequence[str], backend: str = "eager"
+                      ) -> Path:
+    """The SmolLM2-135M demo checkpoint built as a bf16 engine (a cache hit when built)."""
     env = child_env()
     out = subprocess.run([sys.executable, "-m", "demo.model"], cwd=REPO, env=env,
                          capture_output=True, text=True, check=False, timeout=1800)
@@ -40,7 +41,7 @@ def build_demo_engine(store: Path, tp: int, profile: Sequence[str]) -> Path:
         raise RuntimeError(f"python -m demo.model failed: {out.stderr.strip()[-800:]}")
     checkpoint = lines[-1].strip()
     cmd = [sys.executable, "-m", "pipeline", "build", checkpoint, "--tp", str(tp),
-           "--backend", "eager", "--dtype", "bfloat16", *profile, "--store", str(store)]
+           "--backend", backend, "--dtype", "bfloat16", *profile, "--store", str(store)]
     print("$", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False,
                          timeout=1800)

@@ -1,10 +1,10 @@
 """`make soak`: minutes of mixed, hostile traffic against a TP=2 server, then its invariants.
 
-    python -m bench.soak [--duration 180] [--engine DIR | --tp 2] [--max-queue 8]
-                         [--concurrency 6] [--kv-cache-tokens 2048] [--seed 0]
+    python -m bench.soak [--duration 180] [--engine DIR | --tp 2 --backend aoti|eager]
+                         [--max-queue 8] [--concurrency 6] [--kv-cache-tokens 2048] [--seed 0]
 
-Without --engine it builds (or reuses) the SmolLM2-135M demo model as an eager TP=2 engine
-with a small profile (512-token context, batch 8, 256 tokens a step) in engines/. The
+Without --engine it builds (or reuses) the SmolLM2-135M demo model as a bf16 TP=2 engine
+(aoti, what production serves, unless --backend eager) with a small profile (512-token context, batch 8, 256 tokens a step) in engines/. The
 server runs as in production: `python -m serve launch` on its own, which starts mpirun.
 The traffic is bench/traffic.py's: streaming and not, completions and chat, random lengths
 up to the context limit and over it, cancels, client resets, give-ups and bursts over
@@ -79,7 +79,8 @@ def _now() -> str:
 def engine_for(args: argparse.Namespace) -> tuple[Path, int]:
     from contract.manifest import read_manifest
 
-    engine = args.engine or build_demo_engine(common.REPO / "engines", args.tp, PROFILE)
+    engine = args.engine or build_demo_engine(common.REPO / "engines", args.tp, PROFILE,
+                                              args.backend)
     return engine, read_manifest(engine).tp
 
 
@@ -378,6 +379,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine", type=Path, default=None,
                     help="engine directory (default: build the eager SmolLM2 demo engine)")
     ap.add_argument("--tp", type=int, default=2, help="TP of the engine built by default")
+    ap.add_argument("--backend", choices=("aoti", "eager"), default="aoti",
+                    help="backend of the engine built by default: aoti, what production "
+                    "serves (eager's ATen/oneDNN path keeps growing per-shape caches: "
+                    "bench/results/latest/soak.md)")
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
     ap.add_argument("--max-requests", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=6, help="steady clients")
