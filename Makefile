@@ -61,7 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run $(if $(QUANT),--quant)
 
 # Minutes of mixed, hostile traffic against a TP server, then its invariants (bench/soak.py);
-# without ENGINE, the eager SmolLM2 demo engine (TP=$(TP), small profile) is built first.
+# without ENGINE, the aoti SmolLM2 demo engine (TP=$(TP), small profile) is built first.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --duration $(DURATION) --tp $(TP) $(if $(ENGINE),--engine $(ENGINE))
 

@@ -6,7 +6,7 @@ bfloat16 and float32, with transformers at the same batch sizes, in one run:
 
     python -m bench.executor_throughput [--hf-dir DIR | --engine DIR] [--quick]
 
-Uses the in-process API `runtime.engine.LLMEngine`: from_checkpoint (TP=1, eager) or
+Uses the in-process API `runtime.executors.loop.LLMEngine`: from_checkpoint (TP=1, eager) or
 from_engine_dir (a built TP=1 engine, aoti or eager); generate(prompts, params) runs the
 in-flight batching loop to completion.
 """
@@ -43,11 +43,11 @@ def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, batch:
     """A built TP=1 engine (aoti or eager, its own dtype), or an eager one from the checkpoint."""
     from contract.manifest import read_manifest
     from contract.profile import BuildProfile
-    from runtime.engine import LLMEngine
-    from runtime.engine_files import EngineFiles
+    from runtime.core.scheduler import SchedulerConfig
+    from runtime.executors.loop import LLMEngine
     from runtime.executors.torch import runner_from_checkpoint, runner_from_engine
     from runtime.models.parallel import TPContext
-    from runtime.scheduler import SchedulerConfig
+    from runtime.store.files import EngineFiles
 
     if engine_dir is not None:
         m = read_manifest(engine_dir)
@@ -69,7 +69,7 @@ def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, batch:
 
 def executor_tok_s(engine: Any, prompts: Sequence[list[int]], new_tokens: int) -> float:
     """Output tokens/s of one generate call over all prompts submitted at once."""
-    from runtime.types import SamplingParams
+    from runtime.core.types import SamplingParams
 
     params = [
         SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=SEED + i)

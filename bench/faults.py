@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from contract.manifest import read_manifest
-    from runtime.checkpoint import load_engine_model_config
+    from runtime.store.checkpoint import load_engine_model_config
 
     engine = args.engine or build_demo_engine(common.REPO / "engines", args.tp, PROFILE)
     tp = read_manifest(engine).tp

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from bench.common import RESULTS, demo_checkpoint, md_table
-from runtime.grammar import GrammarCompiler, GrammarState
-from runtime.logits import SeqSampling
-from runtime.sampler import Sampler, make_generator
-from runtime.types import GuidedSpec, SamplingParams
+from runtime.core.grammar import GrammarCompiler, GrammarState
+from runtime.core.logits import SeqSampling
+from runtime.core.sampler import Sampler, make_generator
+from runtime.core.types import GuidedSpec, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -93,11 +93,11 @@ def sampler_steps(compiler: GrammarCompiler, vocab: int, eos: int, batch: int,
 
 def parts(compiler: GrammarCompiler, tok: Any, vocab: int, eos: int) -> dict[str, float]:
     """One row's grammar work, split: fill the bitmask, apply it (xgrammar's kernel), and
-    the whole of runtime.grammar.apply_grammars (allocate, fill, control-character words,
+    the whole of runtime.core.grammar.apply_grammars (allocate, fill, control-character words,
     apply)."""
     import xgrammar as xgr
 
-    from runtime.grammar import apply_grammars
+    from runtime.core.grammar import apply_grammars
 
     state = _states(compiler, 1, eos)[0].grammar
     assert state is not None
@@ -132,11 +132,11 @@ def engine_decode(hf_dir: Path, tok: Any, compiler: GrammarCompiler, tokens: int
                   ) -> dict[str, float]:
     """CPU ms per output token of a whole greedy decode, without and with the grammar, and
     of the grammar's own work inside the latter (mask and accept, timed in place)."""
-    import runtime.logits as logits_mod
-    from runtime.engine import LLMEngine
+    import runtime.core.logits as logits_mod
+    from runtime.core.scheduler import SchedulerConfig
+    from runtime.executors.loop import LLMEngine
     from runtime.executors.torch import runner_from_checkpoint
     from runtime.models.parallel import TPContext
-    from runtime.scheduler import SchedulerConfig
 
     spent = [0.0]
 

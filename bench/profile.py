@@ -29,15 +29,15 @@ from bench.floors import memory_read_gbs
 from contract.layout import KERNELS_LIB
 from contract.manifest import read_manifest
 from runtime import kernels
-from runtime.comm import Comm, finish
-from runtime.engine import LLMEngine, worker_loop
-from runtime.engine_files import EngineFiles
+from runtime.core.scheduler import SchedulerConfig
+from runtime.core.types import SamplingParams
+from runtime.dist.comm import Comm, finish
+from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.torch import runner_from_engine
 from runtime.models.attention import decode_attention
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
-from runtime.scheduler import SchedulerConfig
-from runtime.types import SamplingParams
+from runtime.store.files import EngineFiles
 
 
 class Timers:
@@ -69,7 +69,7 @@ def _best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
 def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
                  vocab: int) -> dict[str, float]:
     """Decode `steps` tokens for `batch` sequences of `context` prompt tokens, timed."""
-    import runtime.runner as runner_mod
+    import runtime.executors.runner as runner_mod
 
     timers = Timers()
     sched, runner = engine.scheduler, engine.runner

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from contract.manifest import read_manifest
-from runtime.comm import Comm
-from runtime.engine import LLMEngine
-from runtime.engine_files import EngineFiles
+from runtime.core.scheduler import SchedulerConfig
+from runtime.core.types import SamplingParams
+from runtime.dist.comm import Comm
+from runtime.executors.loop import LLMEngine
 from runtime.executors.torch import runner_from_engine
 from runtime.models.parallel import TPContext
-from runtime.scheduler import SchedulerConfig
-from runtime.types import SamplingParams
+from runtime.store.files import EngineFiles
 
 
 def rss_mib() -> int:

@@ -61,7 +61,7 @@ class Running:
 def ours_spec(
     engine_dir: Path, port: int, tp: int = 1, warmup: str = "auto", name: str | None = None
 ) -> ServerSpec:
-    from runtime.mpi import mpirun_argv  # the project's own flags (--bind-to none on CPU)
+    from runtime.dist.mpi import mpirun_argv  # the project's own flags (--bind-to none on CPU)
 
     argv = (
         *mpirun_argv(tp), str(REPO / ".venv" / "bin" / "python"), "-m", "serve", "launch",
@@ -163,7 +163,7 @@ def serve(spec: ServerSpec, log_dir: Path, poll_s: float = 0.05) -> Iterator[Run
         raise RuntimeError(f"port {spec.port} already answers; refusing to start {spec.name}")
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
-    from runtime.mpi import mpi_session  # a session directory of its own for mpirun
+    from runtime.dist.mpi import mpi_session  # a session directory of its own for mpirun
 
     with mpi_session({**os.environ, **spec.env}) as env:
         with open(log_path, "ab") as log:

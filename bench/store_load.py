@@ -4,7 +4,7 @@ repeated and interleaved so that a loaded machine's noise hits both alike.
     python -m bench.store_load s3://BUCKET/PREFIX/MODEL/ENGINE_ID [--rank 0] [--repeat 5]
 
 Floor: the shard's bytes as parallel ranged GETs with nothing done to them (no copy, no
-hash). Load: runtime/loader.py's read_object_hashed, the load gate's path (ranged GETs
+hash). Load: runtime/store/loader.py's read_object_hashed, the load gate's path (ranged GETs
 straight into one host buffer, sha256 as the parts land). Prints each run and the medians.
 """
 
@@ -16,8 +16,8 @@ import statistics
 
 from contract.layout import rank_shard
 from contract.refs import engine_key, parse_ref
-from runtime.loader import read_object_hashed
-from runtime.objstore import CONCURRENCY, PART_BYTES, ObjectStore
+from runtime.store.loader import read_object_hashed
+from runtime.store.objstore import CONCURRENCY, PART_BYTES, ObjectStore
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,21 +33,16 @@ from contract.manifest import (
 )
 from contract.quant import Quantization
 from contract.target import Target
+from pipeline.checkpoint import ResolvedSource, checkpoint_digest, checkpoint_files
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
-from pipeline.resolve import (
-    ResolvedSource,
-    cache_root,
-    checkpoint_digest,
-    checkpoint_files,
-    resolve,
-)
+from pipeline.resolve import cache_root, resolve
 from pipeline.store import EngineStore
 from pipeline.target import detect_target, trtllm_target
 from pipeline.toolchain import toolchain_versions
-from runtime.loader import ST_DTYPES
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
+from runtime.store.loader import ST_DTYPES
 
 # Copied from the checkpoint beside the shards (config.json is written by the converter).
 ENGINE_EXTRA_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)

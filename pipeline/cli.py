@@ -136,7 +136,7 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from pipeline.build import build_engine
-    from runtime.mpi import MPIRUN_ENV
+    from runtime.dist.mpi import MPIRUN_ENV
 
     if args.mpirun:  # the golden run's launcher, and its children's
         os.environ[MPIRUN_ENV] = args.mpirun
@@ -259,7 +259,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from pipeline.remote import describe_pull, pull
-    from runtime.engine_cache import default_cache
+    from runtime.store.cache import default_cache
 
     result = pull(args.ref, args.cache or default_cache(), _progress())
     print(describe_pull(result))
@@ -269,8 +269,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def _list_remote(store_uri: str) -> int:
     from contract.refs import TAGS_DIR, TagRecord, is_engine_id, manifest_key, tag_key
-    from runtime.engine_source import manifest_from_text
-    from runtime.objstore import ObjectStore
+    from runtime.store.objstore import ObjectStore
+    from runtime.store.source import manifest_from_text
 
     store = ObjectStore(store_uri)
     rows = [["MODEL", "ENGINE", "BACKEND", "TARGET", "TP", "DTYPE", "SIZE", "TAGS"]]

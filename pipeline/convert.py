@@ -17,7 +17,6 @@ from contract.layout import (
 )
 from contract.quant import NONE, Quantization, QuantSpec
 from pipeline.progress import Progress
-from runtime.checkpoint import open_weights, read_model_config, write_engine_model_config
 from runtime.models.config import ModelConfig
 from runtime.models.factory import torch_dtype
 from runtime.models.hf_names import llama_names
@@ -31,6 +30,7 @@ from runtime.models.sharding import (
     shard_state_dict,
 )
 from runtime.quant import QTensor, quantize
+from runtime.store.checkpoint import open_weights, read_model_config, write_engine_model_config
 
 
 def convert_checkpoint(

@@ -1,7 +1,7 @@
 """Fidelity recorded at build: the engine against transformers on the same weights.
 
 The build's golden run leaves the engine's log-probabilities over a fixed text
-(runtime/golden.py FIDELITY_TEXT, contract/layout.py FIDELITY_FILE). Here transformers computes the same in
+(runtime/executors/golden.py FIDELITY_TEXT, contract/layout.py FIDELITY_FILE). Here transformers computes the same in
 float32 (the reference) and in the engine's dtype (the drift a user of that dtype accepts
 from transformers itself), and the manifest records, for each against float32: the mean
 |delta log-prob| of the text's next tokens, the mean KL(float32 || it) over the vocabulary,

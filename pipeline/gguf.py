@@ -12,8 +12,8 @@ from pathlib import Path
 
 from contract.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
 from contract.manifest import hash_file
+from pipeline.checkpoint import ResolvedSource, check_checkpoint, safe_name
 from pipeline.progress import Progress
-from pipeline.resolve import ResolvedSource, check_checkpoint, safe_name
 from pipeline.store import clean_stale, is_disk_full, staging_dir
 
 COMPLETE_MARKER = ".complete"

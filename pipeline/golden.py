@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from contract.profile import BuildProfile
-from runtime.comm import Comm
-from runtime.golden import run_local
-from runtime.mpi import child_env, mpi_session, mpirun_argv
+from runtime.dist.comm import Comm
+from runtime.dist.mpi import child_env, mpi_session, mpirun_argv
+from runtime.executors.golden import run_local
 
 
 def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile: BuildProfile) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile:
         assert record is not None
         return record
     out = engine_dir / ".golden.json"
-    cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.golden", str(engine_dir), backend,
+    cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.executors.golden", str(engine_dir), backend,
            dtype, str(profile.tokens_per_block), str(out), str(profile.max_num_tokens)]
     with mpi_session(child_env()) as env:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -14,8 +14,8 @@ import torch
 from contract.errors import BuildError
 from contract.quant import DEFAULT_INT4_GROUP_SIZE, NONE, Quantization, QuantSpec
 from contract.target import Target
+from pipeline.checkpoint import ResolvedSource
 from pipeline.config import BuildConfig
-from pipeline.resolve import ResolvedSource
 from runtime.models.config import ModelConfig
 from runtime.models.sharding import quant_spec_for, rules_for, shard_qtensor
 from runtime.quant import QTensor

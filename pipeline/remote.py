@@ -30,9 +30,9 @@ from contract.refs import (
     tag_key,
 )
 from pipeline.progress import Progress, format_bytes
-from runtime.engine_cache import EngineCache
-from runtime.engine_source import StoreSource
-from runtime.objstore import ObjectStore, read_into_hashed
+from runtime.store.cache import EngineCache
+from runtime.store.objstore import ObjectStore, read_into_hashed
+from runtime.store.source import StoreSource
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ LAUNCH_TIME = EnvVar(
 MPIRUN = EnvVar(
     "AOTLLM_MPIRUN", "path", None,
     "the mpirun that starts ranks (serve launch, the golden run of a TP build); "
-    "`--mpirun` sets it; unset, the mpirun of the MPI library mpi4py loads", "runtime/mpi.py")
+    "`--mpirun` sets it; unset, the mpirun of the MPI library mpi4py loads", "runtime/dist/mpi.py")
 PARENT_FD = EnvVar(
     "AOTLLM_PARENT_FD", "fd", None,
     "a pipe's read end the worker watches: EOF means its supervisor is gone",
@@ -100,19 +100,19 @@ PARENT_FD = EnvVar(
 PEER_TIMEOUT = EnvVar(
     "AOTLLM_PEER_TIMEOUT_S", "seconds", "4",
     "a peer rank without an acknowledgement or keepalive reply this long is declared dead",
-    "runtime/bootstrap.py")
+    "runtime/dist/bootstrap.py")
 RENDEZVOUS = EnvVar(
     "AOTLLM_RENDEZVOUS", "mpi", None,
     "mpi: the ranks of several hosts meet by an MPI broadcast instead of the MPI runtime's "
-    "name service (an MPI without one)", "runtime/bootstrap.py")
+    "name service (an MPI without one)", "runtime/dist/bootstrap.py")
 STORE_DEADLINE = EnvVar(
     "AOTLLM_STORE_DEADLINE_S", "seconds", "30",
     "how long one engine-store operation (with its retries) may take, at least 1 s; "
     "`pipeline push/pull` use it, `serve launch` takes `--store-deadline` instead",
-    "runtime/objstore.py")
+    "runtime/store/objstore.py")
 THP = EnvVar(
     "AOTLLM_THP", "flag", "1",
-    "0: shard buffers on 4 KiB pages instead of transparent huge pages", "runtime/loader.py")
+    "0: shard buffers on 4 KiB pages instead of transparent huge pages", "runtime/store/loader.py")
 CACHE = EnvVar(
     "AOT_LLM_CACHE", "path", "~/.cache/aot-llm",
     "the local cache: downloaded checkpoints, compiled kernels, pulled engines (engines/), "

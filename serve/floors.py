@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from contract.refs import PROBE_BYTES, PROBE_KEY
-from runtime.objstore import CONCURRENCY, PART_BYTES
+from runtime.store.objstore import CONCURRENCY, PART_BYTES
 
 if TYPE_CHECKING:
-    from runtime.objstore import ObjectStore
+    from runtime.store.objstore import ObjectStore
 
 _PROBE = 16 << 20  # enough for a stable figure; each probe costs start-up time
 # The storage probe bypasses the page cache, so it waits for the disk itself: on a busy

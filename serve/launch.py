@@ -13,7 +13,7 @@ EXIT_DRAIN_CUT = 3  # the drain's deadline cut requests off (0: every request co
 CPU_KV_FRACTION = 0.05
 GPU_KV_FRACTION = 0.9
 # Prompt tokens a step may compute while other requests decode, on a CPU (see
-# runtime/scheduler_config.py): a 128-token chunk of the 135M demo costs about 0.2 s on 2
+# runtime/core/scheduler_config.py): a 128-token chunk of the 135M demo costs about 0.2 s on 2
 # cores, 512 about 1 s. GPUs run 2048-token steps in tens of milliseconds: no cap there.
 CPU_PREFILL_WHILE_DECODING = 128
 TOOL_PARSERS = ("generic", "hermes", "llama3_json", "mistral")  # serve/api/tools.py FORMATS
@@ -21,7 +21,7 @@ TOOL_PARSERS = ("generic", "hermes", "llama3_json", "mistral")  # serve/api/tool
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    # An engine directory, or STORE/MODEL@TAG | STORE/MODEL/ENGINE_ID (runtime/engine_source.py)
+    # An engine directory, or STORE/MODEL@TAG | STORE/MODEL/ENGINE_ID (runtime/store/source.py)
     engine: str
     host: str = "127.0.0.1"
     port: int = 8000
@@ -38,7 +38,7 @@ class LaunchConfig:
     max_body_bytes: int = 1 << 20
     max_connections: int = 1024
     header_timeout: float = 10.0
-    # Structured output (runtime/grammar.py's GrammarConfig): a request waits this long for
+    # Structured output (runtime/core/grammar.py's GrammarConfig): a request waits this long for
     # its grammar to compile, else 400; compiles run on this many threads; compiled
     # grammars are kept up to this many MiB.
     grammar_compile_timeout: float = 5.0
@@ -50,7 +50,7 @@ class LaunchConfig:
     chat_template: Path | None = None  # a Jinja file that replaces the engine's chat template
     engine_cache: Path | None = None  # None: engines from a store are read, not cached
     store_deadline: float = 30.0
-    mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/mpi.py picks)
+    mpirun: str | None = None  # the launcher `serve launch` starts (else runtime/dist/mpi.py picks)
     comm_iface: str | None = None  # the ranks' interface (else GLOO/NCCL_SOCKET_IFNAME, else auto)
     hosts: str | None = None  # mpirun --host (several hosts), when `serve launch` starts mpirun
     hostfile: Path | None = None  # mpirun --hostfile
@@ -210,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> LaunchConfig:
     ns = parser().parse_args(argv)
     if ns.engine_cache is None:
-        from runtime.engine_cache import default_cache
+        from runtime.store.cache import default_cache
 
         cache: Path | None = default_cache()
     else:

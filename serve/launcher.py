@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 from contract.errors import BuildError
-from runtime.engine_source import engine_tp
+from runtime.dist.mpi import MPIRUN_ENV, MpirunError, child_env, mpi_session, mpirun_argv
 from runtime.env import API_KEY
-from runtime.mpi import MPIRUN_ENV, MpirunError, child_env, mpi_session, mpirun_argv
+from runtime.store.source import engine_tp
 from serve.launch import LaunchConfig
 
 log = logging.getLogger("serve.launcher")

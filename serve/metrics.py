@@ -130,7 +130,7 @@ class ServingMetrics:
         for gen in GENERATIONS:  # on the page from the start, at 0
             self.gc_pauses.labels(generation=str(gen))
             self.gc_pause_seconds.labels(generation=str(gen))
-        # Structured output (runtime/grammar.py): the compiled-grammar cache, bounded by
+        # Structured output (runtime/core/grammar.py): the compiled-grammar cache, bounded by
         # bytes, and the compiles on its bounded pool, those abandoned past the deadline too.
         self.grammar_cache_bytes = Gauge(f"{p}grammar_cache_bytes",
                                          "Bytes of compiled grammars kept in the cache.",

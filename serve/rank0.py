@@ -18,7 +18,7 @@ from serve.launch import EXIT_DRAIN_CUT
 from serve.startup import Evidence, Startup, engine_summary, read_generation_eos
 
 if TYPE_CHECKING:
-    from runtime.comm import Comm
+    from runtime.dist.comm import Comm
     from runtime.tokenizer import FastTokenizer
     from serve.api import HttpServerHandle, ServerState
     from serve.launch import LaunchConfig
@@ -156,7 +156,7 @@ class Rank0:
             # From now on a failed peer fails the requests in flight, and a rank > 0 whose
             # host is stopping may ask for a drain (the peer watch reads the request).
             self.life.on_peer_failure = self._peer_failed
-            self.comm.accept_drain_requests()
+            self.comm.peer_watch.accept_drain_requests()
             ev.update(open=True, max_queue=self.cfg.max_queue,
                       url=f"http://{self.cfg.host}:{self.http.port}/v1")
         # Ready only once the gate is closed, so /health/ready never precedes the record.
@@ -207,7 +207,7 @@ class Rank0:
     def _fail(self, why: str) -> None:
         """The engine failed: every request already has its error; let the HTTP layer send
         them (a 500, or a final SSE error event), then end the job."""
-        lost = self.comm.lost_peer(PEER_LOST_WAIT_S)
+        lost = self.comm.peer_watch.lost_peer(PEER_LOST_WAIT_S)
         if lost is not None:  # a collective failed because a peer died: name it and its host
             why = f"{lost}; {why}"
         log.error("%s; exiting", why)

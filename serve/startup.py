@@ -20,12 +20,12 @@ from typing import Any
 from contract.errors import BuildError
 from contract.layout import GENERATION_CONFIG
 from contract.manifest import Manifest
-from runtime.comm import Comm
-from runtime.engine_files import EngineFiles
-from runtime.engine_source import EngineSource, Pinned, StoreSource, open_source
+from runtime.dist.comm import Comm
 from runtime.env import INJECT_GATE_DELAY, INJECT_GATE_HOLD
-from runtime.golden import GOLDEN_STEPS
+from runtime.executors.golden import GOLDEN_STEPS
 from runtime.models.config import ModelConfig
+from runtime.store.files import EngineFiles
+from runtime.store.source import EngineSource, Pinned, StoreSource, open_source
 from serve.backends import Backend, make_backend
 from serve.gates import GateFailure, GateLog, shutdown_requested
 from serve.launch import LaunchConfig
@@ -116,15 +116,15 @@ class Startup:
             outcomes = self.comm.allgather(
                 [None if err is None else (err.cause, err.remedy), facts])
         except (ConnectionError, OSError) as e:
-            self.comm.expect_end()
+            self.comm.peer_watch.expect_end()
             raise GateFailure(name, f"a peer rank is gone: {e}",
                               "see the other ranks' messages") from e
         if err is not None:
-            self.comm.expect_end()
+            self.comm.peer_watch.expect_end()
             raise err
         for r, (out, _) in enumerate(outcomes):
             if out is not None:
-                self.comm.expect_end()
+                self.comm.peer_watch.expect_end()
                 raise GateFailure(name, f"rank {r} on {self.comm.host_label(r)}: {out[0]}", out[1])
         if self.rank == 0 and any(f is not None for _, f in outcomes):
             self.log.amend(name, hosts=[{"rank": r, "host": self.comm.host_label(r), **(f or {})}
@@ -137,7 +137,7 @@ class Startup:
                 torch_on.setdefault(str(f["torch"]), []).append(
                     f"rank {r} on {self.comm.host_label(r)}")
         if len(torch_on) > 1:
-            self.comm.expect_end()
+            self.comm.peer_watch.expect_end()
             raise GateFailure(name, "the hosts run different torch versions: " + "; ".join(
                 f"{v} on {', '.join(where)}" for v, where in torch_on.items()),
                 "install the same torch on every host of the job")

@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 
-from runtime.bootstrap import mpi_bootstrap
+from runtime.dist.bootstrap import mpi_bootstrap
+from runtime.dist.netif import InterfaceError
 from runtime.env import BOOT_SOCK, LAUNCH_TIME, PARENT_FD
-from runtime.netif import InterfaceError
 from serve.cores import widen_for_worker
 
 PARENT_FD_ENV = PARENT_FD.name

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from runtime.comm import Comm
+from runtime.dist.comm import Comm
 from serve.cores import binding_change, launcher_cores
 
 # Python's default 5 ms: a thread that wants the GIL may wait that long. Rank 0's HTTP

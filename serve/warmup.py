@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 
 from contract.profile import BuildProfile
-from runtime.comm import Comm
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
-from runtime.runner import ModelRunner
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.dist.comm import Comm
+from runtime.executors.runner import ModelRunner
 
 PHASE_DONE = -2  # step id of the plan that ends a driven phase on ranks > 0
 _SEQ_BASE = -1000

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.bootstrap import Bootstrap, Listeners
-from runtime.comm import Comm
-from runtime.engine_files import close_all
+from runtime.dist.bootstrap import Bootstrap, Listeners
+from runtime.dist.comm import Comm
 from runtime.env import BOOT_SOCK, PARENT_FD
+from runtime.store.files import close_all
 from serve.cores import pin_compute_thread
 from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
@@ -69,7 +69,7 @@ class Lifecycle:
             self.exit_now(1)
 
     def peer_failed(self, why: str) -> None:
-        """From the peer watch (runtime/comm.py): a peer died or its host stopped answering."""
+        """From the peer watch (runtime/dist/comm.py): a peer died or its host stopped answering."""
         self.on_peer_failure(why)
 
     def _peer_failed_starting(self, why: str) -> None:
@@ -158,7 +158,7 @@ class HttpStartup:
     def _run(self) -> None:
         cfg = self.cfg
         try:
-            from runtime.grammar import GrammarConfig
+            from runtime.core.grammar import GrammarConfig
             from serve.api import ServerState, start_http_server
 
             grammar = GrammarConfig(compile_timeout_s=cfg.grammar_compile_timeout,
@@ -213,7 +213,7 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
 
     def forward_drain() -> None:  # a stop signal here: rank 0 drains the whole job
         life.drain.wait()
-        comm.request_drain()
+        comm.peer_watch.request_drain()
 
     threading.Thread(target=forward_drain, name="drain-forward", daemon=True).start()
     rc = backend.follow(life.exit_now)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     try:
         comm = Comm(boot, listeners)
-        comm.watch(life.peer_failed, life.drain_requested)
+        comm.peer_watch.watch(life.peer_failed, life.drain_requested)
         threads = thread_plan(comm)
         rc = (serve_rank0(cfg, comm, life, threads) if rank == 0
               else serve_follower(cfg, comm, life))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.mpi import child_env, mpi_session, mpirun_argv
+from runtime.dist.mpi import child_env, mpi_session, mpirun_argv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def subprocess_env() -> dict[str, str]:
 def run_mpirun(n: int, args: list[str], env: dict[str, str] | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`mpirun -n n *args` to its end (output captured), with a session directory of its own
-    as every launcher of the project gives it (runtime.mpi.mpi_session)."""
+    as every launcher of the project gives it (runtime.dist.mpi.mpi_session)."""
     with mpi_session(env or subprocess_env()) as e:
         return subprocess.run([*mpirun_argv(n), *args], cwd=REPO, env=e, capture_output=True,
                               text=True, timeout=timeout)

@@ -27,11 +27,11 @@ from pipeline.compile.extract import extract_package
 from pipeline.compile.kernels import MARCH, build_kernels
 from pipeline.progress import Progress
 from runtime import kernels
+from runtime.core.plan import ScheduledSeq
+from runtime.executors.runner import SeqState, prepare_inputs
 from runtime.models.config import ModelConfig
 from runtime.models.factory import build_model, empty_kv_cache, kv_cache_shape, torch_dtype
 from runtime.models.parallel import TPContext
-from runtime.plan import ScheduledSeq
-from runtime.runner import SeqState, prepare_inputs
 
 # One mixed step whose every dynamic size differs from the others and is >= 2 (export
 # specialises sizes 0 and 1, and may merge dimensions whose example sizes are equal):

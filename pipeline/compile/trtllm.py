@@ -36,10 +36,10 @@ from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from pipeline.progress import Progress
-from runtime.checkpoint import read_model_config, write_engine_model_config
 from runtime.env import GOLDEN_TIMEOUT
 from runtime.executors.trtllm_setup import INSTALL, import_trtllm, load_model_config
 from runtime.models.config import ModelConfig
+from runtime.store.checkpoint import read_model_config, write_engine_model_config
 
 TIMING_CACHE = ".trtllm-timing.cache"  # inside the staging dir; removed before hashing
 BUILD_REQUEST = ".trtllm-build.json"  # the build child's input; removed likewise
@@ -286,8 +286,8 @@ def compute_golden(engine_dir: Path, tp: int, dtype: str) -> dict[str, Any]:
     """Run the built engine through the Executor (under mpirun when tp > 1: LEADER mode wants
     one MPI rank per engine rank) and record the golden prompt's greedy tokens. Token ids
     only: a TensorRT engine returns no logits unless built to gather them."""
-    from runtime.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
-    from runtime.mpi import child_env, mpi_session, mpirun_argv
+    from runtime.dist.mpi import child_env, mpi_session, mpirun_argv
+    from runtime.executors.golden import GOLDEN_PROMPT, GOLDEN_STEPS, golden_prompt_ids
 
     prompt = golden_prompt_ids(engine_dir, load_model_config(engine_dir).vocab_size)[:64]
     io = engine_dir / ".golden.json"  # removed before the engine's files are hashed

@@ -17,9 +17,9 @@ from pathlib import Path
 
 def golden_tokens(engine_dir: Path, prompt: list[int], steps: int) -> list[int] | None:
     """Rank 0: the greedy tokens; other ranks: None once the leader has shut down."""
+    from runtime.core.types import SamplingParams
     from runtime.executors.trtllm import TrtllmExecutor
     from runtime.executors.trtllm_setup import construct_executor, kv_cache_config
-    from runtime.types import SamplingParams
 
     ex = construct_executor(engine_dir, kv_cache_config(None, None))
     if not ex.can_enqueue_requests():

@@ -13,14 +13,7 @@ import torch
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
 from contract.quant import NONE, Quantization
 from runtime import kernels
-from runtime.checkpoint import (
-    load_engine_model_config,
-    load_engine_quant,
-    open_weights,
-    read_model_config,
-)
-from runtime.engine_files import EngineFiles
-from runtime.loader import load_shard
+from runtime.executors.runner import ModelRunner, StepFn
 from runtime.models.config import ModelConfig
 from runtime.models.factory import (
     bind_weights,
@@ -32,7 +25,14 @@ from runtime.models.factory import (
 )
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import bind_tied, shard_state_dict
-from runtime.runner import ModelRunner, StepFn
+from runtime.store.checkpoint import (
+    load_engine_model_config,
+    load_engine_quant,
+    open_weights,
+    read_model_config,
+)
+from runtime.store.files import EngineFiles
+from runtime.store.loader import load_shard
 
 
 def make_step_fn(
@@ -104,7 +104,7 @@ def runner_from_engine(
 ) -> tuple[ModelRunner, ModelConfig]:
     """A runner over a built engine's rank shard (read and hashed by the loader).
 
-    With `files` (the engine's manifest, runtime/engine_files.py) every file is checked
+    With `files` (the engine's manifest, runtime/store/files.py) every file is checked
     before it is used and the package is loaded from its verified copy; without, only the
     build itself may call this, on the engine it has just written (no manifest yet).
     """

@@ -1,4 +1,4 @@
-"""`runtime.types.Executor` over TensorRT-LLM's C++ Executor (`tensorrt_llm.bindings.executor`).
+"""`runtime.core.types.Executor` over TensorRT-LLM's C++ Executor (`tensorrt_llm.bindings.executor`).
 
 Written against shared/reference/tensorrt-llm-1.2-api.md §2.1-§2.2. LEADER mode: every rank
 constructs the Executor with the same arguments (collective; `construct_executor`); only
@@ -28,6 +28,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from runtime.core.types import (
+    EventCallback,
+    ExecutorStats,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    UnsupportedParameter,
+)
 from runtime.executors.trtllm_request import (
     NO_GUIDED_CONFIG,
     chosen_logprobs,
@@ -36,14 +44,6 @@ from runtime.executors.trtllm_request import (
     min_tokens_phases,
 )
 from runtime.executors.trtllm_setup import bindings
-from runtime.types import (
-    EventCallback,
-    ExecutorStats,
-    FinishReason,
-    SamplingParams,
-    TokenEvent,
-    UnsupportedParameter,
-)
 
 log = logging.getLogger("serve.trtllm")
 POLL_S = 0.05  # await_responses timeout: how fast shutdown and statistics are noticed
@@ -71,7 +71,7 @@ class _Live:
 
 
 class TrtllmExecutor:
-    """Implements `runtime.types.Executor` on the leader rank over a constructed Executor."""
+    """Implements `runtime.core.types.Executor` on the leader rank over a constructed Executor."""
 
     # tool_choice auto's grammar (serve/api/tool_grammars.py) is a structural tag, printed
     # as EBNF with xgrammar 0.2's TagDispatch; TensorRT-LLM links its own xgrammar (0.1.x

@@ -12,7 +12,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from runtime.types import GuidedSpec, SamplingParams, TokenLogprob, UnsupportedParameter
+from runtime.core.types import GuidedSpec, SamplingParams, TokenLogprob, UnsupportedParameter
 
 SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
 NO_GUIDED_CONFIG = "the Executor was constructed without a GuidedDecodingConfig"
@@ -31,7 +31,7 @@ def min_tokens_phases(params: SamplingParams,
                       eos_token_ids: tuple[int, ...]) -> tuple[SamplingParams, list[list[int]]] | None:
     """(first phase's params, its bad words) when min_tokens needs two Requests, else None.
 
-    Our min_tokens masks every stop id (runtime/logits.py). A Request's bad words hold for
+    Our min_tokens masks every stop id (runtime/core/logits.py). A Request's bad words hold for
     all of it, so the first min_tokens tokens are a Request of their own with the other stop
     ids as bad words; the rest continues from prompt + those tokens (`continuation`)."""
     others = other_stop_ids(params, eos_token_ids)
@@ -110,7 +110,7 @@ def compact_json_ebnf(schema: str) -> str:
     would be compiled by TensorRT-LLM with CompileJSONSchema's defaults, which allow free
     whitespace between tokens, and a model can then stall in whitespace until max_tokens
     (the contract fake's toy does: test_guided.py); our torch backends generate compact JSON
-    (runtime/grammar.py), and so does this."""
+    (runtime/core/grammar.py), and so does this."""
     import xgrammar as xgr
 
     json.loads(schema)
@@ -121,7 +121,7 @@ def guided_params(tx: ModuleType, spec: GuidedSpec) -> Any:
     """Our GuidedSpec -> TensorRT-LLM's GuidedDecodingParams: REGEX, or EBNF_GRAMMAR (JSON
     kinds as compact-JSON EBNF, choices as alternatives); never STRUCTURAL_TAG, for which
     the C++ runtime's GuidedDecoder (guidedDecoder.cpp) has no branch."""
-    from runtime.grammar import choice_ebnf
+    from runtime.core.grammar import choice_ebnf
 
     gt = tx.GuidedDecodingParams.GuideType
     if spec.kind in ("json_object", "json_schema"):
@@ -150,7 +150,7 @@ def _unless(value: float, neutral: float) -> float | None:
 
 # TensorRT-LLM's penalty kernel (penaltyKernels.cu, batchApplyPenalty) counts the prompt's
 # tokens too (the context phase fills its penalty workspace with them) and subtracts after
-# dividing by the temperature; ours (OpenAI's definition, runtime/logits.py) count only the
+# dividing by the temperature; ours (OpenAI's definition, runtime/core/logits.py) count only the
 # output and subtract before it. The temperature could be folded in (penalty / T), the prompt
 # cannot: a prompt token would be penalized before the request has output it.
 _PROMPT_COUNTED = ("frequency_penalty * count and presence_penalty are subtracted for tokens "

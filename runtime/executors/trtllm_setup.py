@@ -15,8 +15,8 @@ from typing import Any
 
 from contract.errors import BuildError
 from contract.layout import MODEL_CONFIG_TRTLLM
-from runtime.checkpoint import load_engine_model_config
 from runtime.models.config import ModelConfig
+from runtime.store.checkpoint import load_engine_model_config
 
 INSTALL = (
     "pip install '.[trtllm]' --extra-index-url https://pypi.nvidia.com "

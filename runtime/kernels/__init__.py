@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runtime.comm import Comm
+    from runtime.dist.comm import Comm
 
 SOURCES = tuple(sorted(Path(__file__).resolve().parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).resolve().parent.glob("*.h")))  # in the cache digest

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from runtime.types import TokenLogprob
+from runtime.core.types import TokenLogprob
 from serve.api.detok import OutputText
 from serve.api.reasoning import ReasoningSplitter
 

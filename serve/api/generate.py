@@ -21,8 +21,8 @@ from typing import Any
 
 from aiohttp import web
 
-from runtime.grammar import Grammar, GrammarError
-from runtime.types import Executor, SamplingParams, UnsupportedParameter
+from runtime.core.grammar import Grammar, GrammarError
+from runtime.core.types import Executor, SamplingParams, UnsupportedParameter
 from serve.api.prompt import build_sampling_params, encode_prompts, model_vocab
 from serve.api.protocol import (
     ApiError,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.types import MAX_LOGPROBS, PRIORITY_RANGE
+from runtime.core.types import MAX_LOGPROBS, PRIORITY_RANGE
 from serve.api.params import (
     MAX_LOGIT_BIAS,
     MAX_N,

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from runtime.types import MAX_LOGPROBS, PRIORITY_RANGE, GuidedSpec
+from runtime.core.types import MAX_LOGPROBS, PRIORITY_RANGE, GuidedSpec
 from serve.api.fields import (
     bad,
     in_range,
@@ -154,7 +154,7 @@ def _guided(body: Mapping[str, Any]) -> tuple[GuidedSpec | None, str | None]:
 
 
 def _priority(body: Mapping[str, Any]) -> int:
-    """vLLM's `priority`: an integer, lower is scheduled earlier (runtime/scheduler.py)."""
+    """vLLM's `priority`: an integer, lower is scheduled earlier (runtime/core/scheduler.py)."""
     priority = opt_int(body, "priority", 0)
     assert priority is not None
     in_range("priority", priority, *PRIORITY_RANGE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runtime.types import SamplingParams
+from runtime.core.types import SamplingParams
 from serve.api.protocol import ApiError, GenerationRequest
 
 GREEDY_EPS = 1e-5

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from runtime.types import GuidedSpec
+from runtime.core.types import GuidedSpec
 from serve.api.fields import ApiError, bad, is_int, opt_int, tname
 from serve.api.params import (
     GUIDED_FIELDS,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.types import SamplingParams, TokenEvent, TokenLogprob
+from runtime.core.types import SamplingParams, TokenEvent, TokenLogprob
 from serve.api.choices import ChatLogprobs, Choice, CompletionLogprobs, TokenTexts
 from serve.api.detok import OutputText
 from serve.api.protocol import ApiError, GenerationRequest

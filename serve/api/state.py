@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from runtime.grammar import GrammarCompiler, GrammarConfig, GrammarStats
-from runtime.types import Executor
+from runtime.core.grammar import GrammarCompiler, GrammarConfig, GrammarStats
+from runtime.core.types import Executor
 from serve.api.choices import TokenTexts
 from serve.api.reasoning import reasoning_format
 from serve.metrics import ServingMetrics

@@ -14,7 +14,7 @@ mistral), as EBNF text for the structured-output path (`GuidedSpec("grammar", ..
       llama3_json  `{` (or "<|python_tag|>") as the first thing output: the one call is the
                    whole output. Text may not begin with "{" or "<|" for that reason.
 
-JSON is compact (", " and ": ", no free whitespace), as in runtime/grammar.py, and every
+JSON is compact (", " and ": ", no free whitespace), as in runtime/core/grammar.py, and every
 call has the same spelling its parser expects: `{"name": "<tool>", "arguments": {...}}`
 (`"parameters"` for llama3_json).
 """
@@ -24,10 +24,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from serve.api.tools import Tool
+
+class Tool(Protocol):
+    """What a grammar needs of a tool (serve.api.tools.Tool): its name and argument schema."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameters(self) -> dict[str, Any]: ...
 
 _WS = r"[ \t\n\r]*"
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from runtime.types import GuidedSpec
+from runtime.core.types import GuidedSpec
 from serve.api.fields import ApiError, bad, tname
 from serve.api.tool_grammars import auto_grammar, call_schema, required_grammar
 

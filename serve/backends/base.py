@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contract.manifest import Manifest
-from runtime.engine_files import EngineFiles
-from runtime.engine_source import EngineSource
+from runtime.store.files import EngineFiles
+from runtime.store.source import EngineSource
 from serve.gates import GateFailure
 
 if TYPE_CHECKING:
-    from runtime.types import Executor
+    from runtime.core.types import Executor
     from serve.startup import Evidence, Startup
 
 

@@ -12,21 +12,21 @@ import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
 from runtime import kernels
-from runtime.checkpoint import load_engine_model_config, load_engine_quant
-from runtime.engine import LLMEngine, worker_loop
-from runtime.engine_source import StoreSource
+from runtime.core.plan import StepPlan
+from runtime.core.scheduler import SchedulerConfig
 from runtime.env import INJECT_FAULT_AT_STEP
+from runtime.executors.golden import check_golden, run_golden, run_golden_forced
+from runtime.executors.loop import LLMEngine, worker_loop
+from runtime.executors.runner import ModelRunner
 from runtime.executors.torch import allocate_kv_cache, make_step_fn, package_files
-from runtime.golden import check_golden, run_golden, run_golden_forced
 from runtime.host import host_matches
-from runtime.loader import LoadedShard
 from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
-from runtime.plan import StepPlan
 from runtime.quant import runs_here
-from runtime.runner import ModelRunner
-from runtime.scheduler import SchedulerConfig
+from runtime.store.checkpoint import load_engine_model_config, load_engine_quant
+from runtime.store.loader import LoadedShard
+from runtime.store.source import StoreSource
 from serve import floors
 from serve.backends.base import Backend, EngineFault
 from serve.gates import GateFailure, shutdown_requested
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
-TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/runner.py)
+TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/executors/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
 FAULT_ENV = INJECT_FAULT_AT_STEP.name
 

@@ -37,6 +37,9 @@ import torch
 
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.manifest import Manifest, hash_file
+from runtime.core.plan import StepPlan
+from runtime.core.types import SamplingParams
+from runtime.dist.mpi import mpi_library_version
 from runtime.executors.trtllm import TrtllmExecutor
 from runtime.executors.trtllm_setup import (
     INSTALL,
@@ -47,9 +50,6 @@ from runtime.executors.trtllm_setup import (
     trtllm_missing,
 )
 from runtime.host import gpu_sm
-from runtime.mpi import mpi_library_version
-from runtime.plan import StepPlan
-from runtime.types import SamplingParams
 from serve import floors
 from serve.backends.base import Backend, EngineFault
 from serve.backends.trtllm_mpi import check_mpi_world, finalize_mpi, watch_leader

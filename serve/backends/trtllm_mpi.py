@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from runtime.comm import Comm
+from runtime.dist.comm import Comm
+from runtime.dist.mpi import MPIRUN_ENV, loaded_libmpi, mpi_library_version, mpirun_of
 from runtime.env import MPIRUN
 from runtime.executors.trtllm_setup import trtllm_mpi_world
-from runtime.mpi import MPIRUN_ENV, loaded_libmpi, mpi_library_version, mpirun_of
 from serve.gates import GateFailure
 
 log = logging.getLogger("serve")

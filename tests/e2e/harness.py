@@ -26,7 +26,7 @@ from typing import Any
 import openai
 
 from bench.job import alive, cmdline
-from runtime.mpi import mpi_session, mpirun_argv
+from runtime.dist.mpi import mpi_session, mpirun_argv
 from tests.conftest import REPO, subprocess_env
 
 HOST = "127.0.0.1"
@@ -133,7 +133,7 @@ class Server:
     err_path: Path
     launched_at: float
     history: list[Probe] = field(default_factory=list)
-    # mpirun's session directory (runtime.mpi.mpi_session) when the harness started mpirun.
+    # mpirun's session directory (runtime.dist.mpi.mpi_session) when the harness started mpirun.
     session: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property

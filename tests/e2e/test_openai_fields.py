@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from runtime.types import SamplingParams
+from runtime.core.types import SamplingParams
 from tests.e2e.conftest import MODEL, Reference
 from tests.e2e.harness import Server
 from tests.runtime.hf_reference import hf_model

@@ -17,7 +17,7 @@ import pytest
 
 from contract.manifest import read_manifest
 from contract.refs import engine_key
-from runtime.objstore import ObjectStore, StoreError
+from runtime.store.objstore import ObjectStore, StoreError
 from tests.conftest import REPO, subprocess_env
 from tests.e2e.conftest import BUILD_ARGS, MODEL
 

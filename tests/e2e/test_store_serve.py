@@ -11,7 +11,7 @@ from pathlib import Path
 
 from contract.manifest import read_manifest
 from contract.refs import engine_key
-from runtime.objstore import ObjectStore
+from runtime.store.objstore import ObjectStore
 from tests.e2e.conftest import MODEL, Reference
 from tests.e2e.harness import free_port, launch, run_to_exit
 from tests.e2e.test_store import pipeline

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from contract.manifest import read_manifest
-from runtime.comm import Comm, finish
-from runtime.engine import worker_loop
-from runtime.engine_files import EngineFiles
+from runtime.core.plan import StepPlan
+from runtime.dist.comm import Comm, finish
+from runtime.executors.golden import run_golden
+from runtime.executors.loop import worker_loop
 from runtime.executors.torch import runner_from_engine
-from runtime.golden import run_golden
 from runtime.models.parallel import TPContext
-from runtime.plan import StepPlan
+from runtime.store.files import EngineFiles
 from runtime.tokenizer import FastTokenizer
 
 

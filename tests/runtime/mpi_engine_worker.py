@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from contract.manifest import read_manifest
-from runtime.comm import Comm, finish
-from runtime.engine_files import EngineFiles
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.dist.comm import Comm, finish
 from runtime.executors.torch import runner_from_engine
 from runtime.models.parallel import TPContext
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.store.files import EngineFiles
 
 A, B, C = [1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1], [7, 7, 7, 1, 2]
 REFERENCE_TOKENS = [A, B, [*A, 50], C, [*B, 60]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.comm import Comm, finish
+from runtime.dist.comm import Comm, finish
 
 
 def main() -> Comm:

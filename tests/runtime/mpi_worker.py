@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from runtime.comm import Comm, finish
-from runtime.engine import LLMEngine, worker_loop
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.core.scheduler import SchedulerConfig
+from runtime.dist.comm import Comm, finish
+from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.parallel import TPContext
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
-from runtime.scheduler import SchedulerConfig
 from tests.runtime.test_engine import BLOCK, run_staggered, staggered_workload
 
 PROMPTS = ([1, 5, 9, 33, 7, 100, 3], [4, 8, 15, 16, 23, 42, 99, 12, 13, 14, 1])

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine import LLMEngine
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.core.scheduler import SchedulerConfig
+from runtime.core.types import SamplingParams, TokenEvent
+from runtime.executors.loop import LLMEngine
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.parallel import TPContext
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
-from runtime.scheduler import SchedulerConfig
-from runtime.types import SamplingParams, TokenEvent
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 
 BLOCK = 4

@@ -22,13 +22,13 @@ from safetensors.torch import load_file, save_file
 from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
-from runtime.checkpoint import read_model_config
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.hf_names import llama_names
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import quant_spec_for, rules_for
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.quant import quantize
+from runtime.store.checkpoint import read_model_config
 from tests.conftest import make_tiny_checkpoint, run_mpirun
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
@@ -137,7 +137,7 @@ def test_aoti_tp2_engines_match_transformers(family_aoti_tp2: dict[str, Path],
 def _dequantized(model: Path, engine: Path, out: Path) -> Path:
     """The checkpoint with every weight the engine quantized replaced by its dequantized
     values, for transformers to compute exactly (Phi-3's pieces fused back)."""
-    from runtime.checkpoint import load_engine_quant
+    from runtime.store.checkpoint import load_engine_quant
 
     quant = load_engine_quant(engine)
     cfg, _ = read_model_config(model)

@@ -17,13 +17,13 @@ import torch
 
 from pipeline.compile.kernels import build_kernels
 from runtime import kernels
+from runtime.core.plan import ScheduledSeq
+from runtime.executors.runner import SeqState, prepare_inputs
 from runtime.host import host_cpu_target
 from runtime.models.attention import AttentionMetadata, decode_attention, paged_attention
 from runtime.models.layers import VocabParallelEmbedding
 from runtime.models.panels import pack_pairs, pack_panels, unpack_panels
 from runtime.models.parallel import TPContext
-from runtime.plan import ScheduledSeq
-from runtime.runner import SeqState, prepare_inputs
 from tests.conftest import REPO, subprocess_env
 
 

@@ -1,4 +1,4 @@
-"""A killed mpirun's session directory does not stop the next job (runtime.mpi.mpi_session).
+"""A killed mpirun's session directory does not stop the next job (runtime.dist.mpi.mpi_session).
 
 Open MPI names mpirun's session directory after its PID; the directory of an mpirun killed
 with SIGKILL stays, and an mpirun given the same PID later exits 213 before any rank runs
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.mpi import MPIRUN_ENV, find_mpirun
+from runtime.dist.mpi import MPIRUN_ENV, find_mpirun
 from tests.conftest import REPO, subprocess_env
 
 # PID 1 of the namespace is this Python; the mpirun it starts is PID 2, every time.
 _JOB = """
 import subprocess, sys
-from runtime.mpi import child_env, mpi_session, mpirun_argv
+from runtime.dist.mpi import child_env, mpi_session, mpirun_argv
 cmd = [*mpirun_argv(1), *sys.argv[2:]]
 if sys.argv[1] == "session":
     with mpi_session(child_env()) as env:

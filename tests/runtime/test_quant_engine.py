@@ -27,15 +27,15 @@ from contract.profile import BuildProfile
 from contract.quant import Quantization
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
+from runtime.executors.golden import check_golden, run_golden
+from runtime.executors.runner import ModelRunner
 from runtime.executors.torch import make_step_fn
-from runtime.golden import check_golden, run_golden
 from runtime.host import host_cpu_target
-from runtime.loader import load_shard
 from runtime.models.config import ModelConfig
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import rules_for
 from runtime.quant import quantize
-from runtime.runner import ModelRunner
+from runtime.store.loader import load_shard
 from tests.conftest import run_mpirun
 from tests.runtime.hf_reference import last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
@@ -91,8 +91,8 @@ def engines(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 def _dequantized_checkpoint(model: Path, quant: Quantization, out: Path) -> Path:
     """The float checkpoint with every weight the engine quantizes replaced by its
     dequantized values: transformers on it computes what the engine should, exactly."""
-    from runtime.checkpoint import read_model_config
     from runtime.models.sharding import quant_spec_for
+    from runtime.store.checkpoint import read_model_config
 
     cfg, _ = read_model_config(model)
     weights = load_file(str(model / "model.safetensors"))
@@ -184,8 +184,8 @@ def test_bf16_engines_read_pair_panels_as_the_reference_reads_rows(
 def _observe(engine: Path, rec: dict, weights_hook=None) -> list:
     """The engine's top logits teacher-forced along `rec` (a golden record), as the warmup
     gate computes them; `weights_hook` may alter the loaded weights first."""
-    from runtime.checkpoint import load_engine_model_config
     from runtime.executors.torch import allocate_kv_cache
+    from runtime.store.checkpoint import load_engine_model_config
 
     m = read_manifest(engine)
     cfg: ModelConfig = load_engine_model_config(engine)

@@ -18,11 +18,11 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from runtime.engine import LLMEngine
+from runtime.core.scheduler import SchedulerConfig
+from runtime.core.types import SamplingParams, TokenEvent
+from runtime.executors.loop import LLMEngine
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.parallel import TPContext
-from runtime.scheduler import SchedulerConfig
-from runtime.types import SamplingParams, TokenEvent
 from tests.runtime.hf_reference import hf_model
 from tests.runtime.test_engine import BLOCK, make_engine
 
@@ -77,7 +77,7 @@ def _presence_frequency(presence: float, frequency: float, prompt_len: int):
 
 
 def hf_processors(p: SamplingParams, prompt_len: int) -> LogitsProcessorList:
-    """transformers' processors, in the order the engine documents (runtime/logits.py)."""
+    """transformers' processors, in the order the engine documents (runtime/core/logits.py)."""
     procs: list = []
     if p.logit_bias:
         procs.append(SequenceBiasLogitsProcessor({(t,): b for t, b in p.logit_bias}))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runtime.types import SamplingParams, TokenEvent
+from runtime.core.types import SamplingParams, TokenEvent
 
 EOS = 0
 

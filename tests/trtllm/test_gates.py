@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from runtime.comm import Comm
+from runtime.dist.comm import Comm
 from serve.backends.trtllm import TrtllmBackend
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runtime.types import GuidedSpec, SamplingParams, UnsupportedParameter
+from runtime.core.types import GuidedSpec, SamplingParams, UnsupportedParameter
 from tests.trtllm.test_adapter import _Sink
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},

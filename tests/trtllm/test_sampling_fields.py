@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runtime.types import GuidedSpec, SamplingParams, UnsupportedParameter
+from runtime.core.types import GuidedSpec, SamplingParams, UnsupportedParameter
 from tests.trtllm.test_adapter import EOS, _Sink
 
 
@@ -89,11 +89,11 @@ def test_repetition_penalty_serves_what_our_torch_sampler_serves(adapter: Any,
                                                                   engine_tp1: Path) -> None:
     """The fake applies TensorRT-LLM's penalty kernel to the toy's logits (temperature first,
     prompt tokens counted); greedy tokens with repetition_penalty must be the ones our own
-    logits processors (runtime/logits.py) pick from the same logits."""
+    logits processors (runtime/core/logits.py) pick from the same logits."""
     import torch
     from tensorrt_llm._fake.toy import ToyModel
 
-    from runtime.logits import SeqSampling, apply_processors
+    from runtime.core.logits import SeqSampling, apply_processors
 
     toy = ToyModel.from_engine_dir(engine_tp1)
     head = [5, 17]

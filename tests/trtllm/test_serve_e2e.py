@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from runtime.mpi import mpi_session, mpirun_argv
+from runtime.dist.mpi import mpi_session, mpirun_argv
 from tests.conftest import REPO, run_mpirun
 from tests.trtllm.conftest import fake_env, free_port, no_fake_env
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from runtime.types import TokenLogprob
+from runtime.core.types import TokenLogprob
 from serve.api.choices import ChatLogprobs, Choice, CompletionLogprobs, TokenTexts
 from serve.api.detok import OutputText
 from tests.unit.test_detok import build_tiny_tokenizer

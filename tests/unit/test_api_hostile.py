@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.grammar import GrammarConfig
+from runtime.core.grammar import GrammarConfig
 from runtime.tokenizer import FastTokenizer
 from serve.api import HttpServerHandle, ServerState, start_http_server
 from serve.api.generate import _prepare, dumps

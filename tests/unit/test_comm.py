@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime import bootstrap as comm_mod
-from runtime.comm import Bootstrap, Comm
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
-from runtime.wire import plan_from_wire, plan_to_wire
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.dist import bootstrap as comm_mod
+from runtime.dist.comm import Bootstrap, Comm
+from runtime.dist.wire import plan_from_wire, plan_to_wire
 
 SECRET = "ab" * 32
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.mpi import mpi_session, mpirun_argv
+from runtime.dist.mpi import mpi_session, mpirun_argv
 from serve.cores import rank_share
 from tests.conftest import REPO, subprocess_env
 

@@ -15,7 +15,7 @@ from contract.errors import BuildError
 from contract.manifest import FileEntry, Manifest, Source
 from contract.profile import BuildProfile
 from contract.target import Target
-from runtime.engine_files import EngineFiles, close_all
+from runtime.store.files import EngineFiles, close_all
 
 
 def _engine(tmp_path: Path, files: dict[str, bytes], listed: tuple[str, ...]) -> tuple[Path, Manifest]:
@@ -75,7 +75,7 @@ _HOLDER = """
 import sys, time
 from pathlib import Path
 from tests.unit.test_engine_files import _engine
-from runtime.engine_files import EngineFiles
+from runtime.store.files import EngineFiles
 root, m = _engine(Path(sys.argv[1]), {"config.json": b"{}"}, listed=("config.json",))
 files = EngineFiles(root, m)
 files.get("config.json")

@@ -96,7 +96,8 @@ def test_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_defaults_match_the_code_that_falls_back() -> None:
     """The modules that keep their own default constant agree with the registry's."""
-    from runtime import bootstrap, objstore
+    from runtime.dist import bootstrap
+    from runtime.store import objstore
 
     assert float(env.STORE_DEADLINE.default or "nan") == objstore.DEFAULT_DEADLINE_S
     assert env.PEER_TIMEOUT.default == "4" and isinstance(bootstrap.PEER_TIMEOUT_S, float)

@@ -70,7 +70,7 @@ def test_logits_rounded_to_bf16_fail_the_build_with_the_numbers(
     """The old LM head: its logits rounded to bf16 (simulated at SmolLM2's logit scale, 25,
     where a bf16 step is 1/8) on top of the engine's own arithmetic."""
     import pipeline.fidelity as fidelity
-    import runtime.golden as golden
+    import runtime.executors.golden as golden
 
     real = golden.run_logprobs
     monkeypatch.setattr(golden, "run_logprobs", lambda *a, **k: torch.log_softmax(

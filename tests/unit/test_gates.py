@@ -101,6 +101,7 @@ class _TwoHostComm:
 
     def __init__(self, their: list[object]) -> None:
         self.their, self.ended = their, False
+        self.peer_watch = self  # the job's end is announced to the peer watch
 
     def allgather(self, obj: object) -> list[object]:
         return [json.loads(json.dumps(obj)), self.their]

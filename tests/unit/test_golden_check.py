@@ -1,9 +1,9 @@
-"""runtime/golden.py check_golden: the warmup gate's comparison of a served engine's
+"""runtime/executors/golden.py check_golden: the warmup gate's comparison of a served engine's
 teacher-forced logits with the build's golden record."""
 
 from __future__ import annotations
 
-from runtime.golden import check_golden, golden_tolerance
+from runtime.executors.golden import check_golden, golden_tolerance
 
 # Two steps of a bf16 record: logits around 30 (tolerance 1.5e-2 * 30 = 0.45).
 RECORD = {"top_logits": [[(5, 30.0), (7, 29.0), (9, 20.0)], [(3, 25.0), (4, 24.9), (1, 10.0)]],

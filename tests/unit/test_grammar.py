@@ -11,16 +11,16 @@ import jsonschema
 import pytest
 import torch
 
-from runtime.grammar import (
+from runtime.core.grammar import (
     GrammarCompiler,
     GrammarConfig,
     GrammarError,
     GrammarState,
     GrammarTimeout,
 )
-from runtime.logits import SeqSampling
-from runtime.sampler import Sampler, make_generator
-from runtime.types import GuidedSpec, SamplingParams
+from runtime.core.logits import SeqSampling
+from runtime.core.sampler import Sampler, make_generator
+from runtime.core.types import GuidedSpec, SamplingParams
 from tests.unit.test_detok import build_tiny_tokenizer
 
 SCHEMAS = [
@@ -192,7 +192,7 @@ def test_siblings_fork_the_grammar_position(tok, compiler) -> None:
 
 
 def test_packed_words_follow_xgrammars_bit_order() -> None:
-    from runtime.grammar import _pack
+    from runtime.core.grammar import _pack
 
     allowed = torch.rand(100, generator=torch.Generator().manual_seed(0)) > 0.5
     words = _pack(allowed)

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from runtime.kv_cache import BlockManager, NoFreeBlocks, hash_block
-from runtime.plan import NULL_BLOCK
+from runtime.core.kv_cache import BlockManager, NoFreeBlocks, hash_block
+from runtime.core.plan import NULL_BLOCK
 
 
 def test_null_block_is_never_handed_out() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.loader import load_shard, tensors_from_safetensors
+from runtime.store.loader import load_shard, tensors_from_safetensors
 from serve.floors import host_copy_gbps, storage_read_gbps
 
 

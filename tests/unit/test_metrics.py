@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.types import ExecutorStats
+from runtime.core.types import ExecutorStats
 from serve.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, ServingMetrics
 
 SeriesKey = tuple[str, frozenset[tuple[str, str]]]
@@ -269,7 +269,7 @@ def test_label_values_are_escaped_and_survive_a_round_trip() -> None:
 
 
 def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
-    from runtime.types import ExecutorStats
+    from runtime.core.types import ExecutorStats
 
     m = ServingMetrics()
     m.refresh(ExecutorStats(extra={"prompt_tokens_computed_total": 40.0,

@@ -1,4 +1,4 @@
-"""Which mpirun starts the ranks (runtime/mpi.py): the one asked for, else the one that belongs
+"""Which mpirun starts the ranks (runtime/dist/mpi.py): the one asked for, else the one that belongs
 to the MPI library mpi4py loads. An mpirun of another MPI than the ranks' libmpi starts every
 rank as a world of its own (Open MPI 5's mpirun, TensorRT-LLM's Open MPI 4.1 libmpi)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import mpi
+from runtime.dist import mpi
 from serve.launch import parse
 
 

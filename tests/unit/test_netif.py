@@ -1,4 +1,4 @@
-"""runtime/netif.py: which of rank 0's addresses the ranks listen on and try, and how an
+"""runtime/dist/netif.py: which of rank 0's addresses the ranks listen on and try, and how an
 explicit choice (--comm-iface, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) is read."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.netif import (
+from runtime.dist.netif import (
     Iface,
     InterfaceError,
     asked_ifaces,

@@ -163,7 +163,7 @@ def test_gguf_blocks_are_taken_over_bit_for_bit(tmp_path: Path, qtype: str) -> N
 
 def test_the_demos_q4_1_file_becomes_exactly_the_checkpoint_transformers_dequantizes() -> None:
     from demo.model import ensure_demo_gguf, ensure_demo_model
-    from runtime.checkpoint import open_weights, read_model_config
+    from runtime.store.checkpoint import open_weights, read_model_config
 
     hf_dir, gguf = ensure_demo_model(), ensure_demo_gguf()
     cfg, _ = read_model_config(hf_dir)

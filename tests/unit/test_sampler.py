@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.sampler import Sampler, first_max, make_generator
-from runtime.types import SamplingParams
+from runtime.core.sampler import Sampler, first_max, make_generator
+from runtime.core.types import SamplingParams
 
 
 def rows(params: SamplingParams, n: int) -> list[tuple[SamplingParams, torch.Generator | None]]:
@@ -148,7 +148,7 @@ def test_large_and_negative_seeds_are_accepted() -> None:
 
 # ---- the full pipeline: processors, temperature, log-probabilities --------------------
 
-from runtime.logits import SeqSampling  # noqa: E402
+from runtime.core.logits import SeqSampling  # noqa: E402
 
 
 def _state(params: SamplingParams, prompt: list[int] = (), stops: tuple[int, ...] = ()

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from runtime.plan import NULL_BLOCK, StepPlan
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import SeqStatus, Sequence
-from runtime.types import SamplingParams
+from runtime.core.plan import NULL_BLOCK, StepPlan
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import SeqStatus, Sequence
+from runtime.core.types import SamplingParams
 
 EOS = 0
 VOCAB = 40

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import SeqStatus, Sequence
-from runtime.types import SamplingParams
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import SeqStatus, Sequence
+from runtime.core.types import SamplingParams
 from tests.unit.test_scheduler_fork import EOS, VOCAB, CowRunner, first_token, next_token
 
 

@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from runtime.plan import StepPlan
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence
-from runtime.types import SamplingParams
+from runtime.core.plan import StepPlan
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Sequence
+from runtime.core.types import SamplingParams
 from tests.unit.test_scheduler import EOS, VOCAB, MirrorRunner, next_token
 
 
 class CowRunner(MirrorRunner):
-    """The mirror, plus `copied_blocks` applied before the step (as runtime/runner.py)."""
+    """The mirror, plus `copied_blocks` applied before the step (as runtime/executors/runner.py)."""
 
     def execute(self, plan: StepPlan) -> dict[int, int]:
         bs = self.block_size

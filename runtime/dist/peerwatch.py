@@ -1,8 +1,8 @@
-"""Peer failures and stop requests on the control plane's connections (a mixin of Comm).
+"""Peer failures and stop requests on the control plane's connections (a part of Comm).
 
 A dead peer closes its socket: rank 0 sees EOF on a worker's connection and a worker on
 rank 0's. A host that drops off the network closes nothing: TCP keepalive probes and a user
-timeout on every control connection (runtime/bootstrap.py) turn its silence into an error
+timeout on every control connection (runtime/dist/bootstrap.py) turn its silence into an error
 within PEER_TIMEOUT_S. `watch` (a thread on every rank, from the connection on) reports
 either, naming the rank and its host; after admission it also reads the one frame a rank
 > 0 may send rank 0, a request to drain the job (its host is stopping).
@@ -17,26 +17,32 @@ import socket
 import threading
 from collections.abc import Callable
 
-from runtime.bootstrap import SILENT, describe_failure
-from runtime.wire import dumps, loads, recv_frame, send_frame
+from runtime.dist.bootstrap import SILENT, describe_failure
+from runtime.dist.wire import dumps, loads, recv_frame, send_frame
 
 DRAIN_REQUEST = {"drain": True}  # a rank > 0 asks rank 0 to drain the job (after admission)
 _FAIL_MASK = select.POLLERR | select.POLLHUP | select.POLLRDHUP | select.POLLNVAL
 
 
 class PeerWatch:
-    """The failure watch of Comm: its sockets, its rank and its host names."""
+    """The failure watch of one rank's control connections. Comm owns one (`comm.peer_watch`)
+    and hands it the sockets once they are connected; `who` names a rank with its host."""
 
-    rank: int
-    size: int
-    _peers: list[socket.socket]
-    _leader: socket.socket | None
-    _ending: threading.Event
-    _reading: bool
-    _wake: tuple[int, int] | None
+    def __init__(self, rank: int, size: int, who: Callable[[int], str]) -> None:
+        self.rank, self.size, self._who = rank, size, who
+        self._peers: list[socket.socket] = []  # rank 0: index r-1 is rank r
+        self._leader: socket.socket | None = None  # ranks > 0
+        self._ending = threading.Event()  # the job ends by agreement: disconnects expected
+        self._reading = False  # rank 0 after admission: peers may send drain requests
+        self._wake: tuple[int, int] | None = None
 
-    def _who(self, rank: int) -> str:
-        raise NotImplementedError
+    def connected(self, peers: list[socket.socket], leader: socket.socket | None) -> None:
+        """The control connections to watch, once the bootstrap has made them."""
+        self._peers, self._leader = list(peers), leader
+
+    @property
+    def ending(self) -> bool:
+        return self._ending.is_set()
 
     def expect_end(self) -> None:
         """The job is ending by agreement (a gate failed everywhere, the drain is over):

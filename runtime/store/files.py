@@ -5,9 +5,9 @@ name classes to load), so nothing of it is read unless the manifest lists it, an
 is read from the engine directory twice: each small file is read once, checked against
 the manifest's size and sha256, and written to a private directory that the loaders then
 open. Another process changing the engine directory after the check changes nothing we
-load. (The weight shard is hashed while it is read into memory, runtime/loader.py, and
+load. (The weight shard is hashed while it is read into memory, runtime/store/loader.py, and
 the bytes in memory are the ones served.) An engine in an object store is read the same
-way, through a `reader` that fetches the object (runtime/engine_source.py).
+way, through a `reader` that fetches the object (runtime/store/source.py).
 
 A worker killed outright (SIGKILL, the OOM killer) cannot remove its private directory, and
 a supervisor that restarts it would fill the temp directory copy by copy. So each directory

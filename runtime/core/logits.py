@@ -10,7 +10,7 @@ Before the draw, each row's logits go through, in this order (vLLM's):
   4. min_tokens: the sequence's stop tokens -> -inf until it has that many tokens, unless
      nothing else is left (a grammar that is complete allows only stop tokens, and the
      grammar wins).
-Temperature, log-probabilities and the draw follow in runtime/sampler.py.
+Temperature, log-probabilities and the draw follow in runtime/core/sampler.py.
 
 Every step is computed row by row from the row's own state, so a sequence's result never
 depends on which other sequences share the batch.
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.grammar import GrammarState, apply_grammars
-from runtime.types import SamplingParams
+from runtime.core.grammar import GrammarState, apply_grammars
+from runtime.core.types import SamplingParams
 
 
 class SeqSampling:

@@ -7,7 +7,7 @@ that covers legitimate floating-point noise (thread counts, kernel choice) but n
 corrupted, truncated or swapped shard.
 
 Each rank of a TP>1 engine runs (pipeline/golden.py starts it at build time):
-    mpirun -n TP python -m runtime.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS
+    mpirun -n TP python -m runtime.executors.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from contract.layout import FIDELITY_FILE
-from runtime.comm import Comm, finish
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
-from runtime.runner import ModelRunner
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.dist.comm import Comm, finish
+from runtime.executors.runner import ModelRunner
 
 GOLDEN_PROMPT = "The capital of France is"
 GOLDEN_STEPS = 8
@@ -242,7 +242,7 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
     """Run the golden prompt on this process's rank; returns the record on rank 0. With
     `max_tokens` (the profile's token budget), also the fidelity text's log-probabilities,
     saved as engine_dir/FIDELITY_FILE for the build to compare (pipeline/fidelity.py)."""
-    from runtime.engine import worker_loop
+    from runtime.executors.loop import worker_loop
     from runtime.executors.torch import runner_from_engine
     from runtime.models.parallel import TPContext
 

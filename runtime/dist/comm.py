@@ -2,7 +2,7 @@
 
 MPI only bootstraps: it says who is rank 0 and carries rank 0's addresses and a fresh
 secret to the others. After that, plain TCP carries the control plane (each step's plan
-from rank 0, start-up all-gathers, as JSON frames: runtime/wire.py) and a torch process
+from rank 0, start-up all-gathers, as JSON frames: runtime/dist/wire.py) and a torch process
 group (gloo on CPU, NCCL on CUDA) carries the collectives compiled into the model.
 
 The plan port is open on the host during start-up, so a peer must prove it knows the
@@ -12,7 +12,7 @@ SIGKILLs its ranks 0.5 s after forwarding SIGTERM (PRRTE's surekill, hard-coded)
 serving processes are detached from it (see serve/supervisor.py) to be able to drain; and
 a blocking socket read costs no CPU while idle, where MPI receives spin.
 
-Across hosts (runtime/netif.py chooses the addresses): rank 0's plan port and the rendezvous
+Across hosts (runtime/dist/netif.py chooses the addresses): rank 0's plan port and the rendezvous
 store listen on rank 0's comm address only (loopback when every rank is on one host), gloo
 binds each rank's comm interface (GLOO_SOCKET_IFNAME), and each rank knows every rank's host.
 
@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from runtime.bootstrap import (
+from runtime.dist.bootstrap import (
     CONNECT_TRY_S,
     Bootstrap,
     Listeners,
@@ -50,10 +50,10 @@ from runtime.bootstrap import (
     keepalive,
     mpi_bootstrap,
 )
-from runtime.netif import asked_ifaces, iface_of, order_for_peer, this_host
-from runtime.peerwatch import PeerWatch
-from runtime.plan import StepPlan
-from runtime.wire import (
+from runtime.dist.netif import asked_ifaces, iface_of, order_for_peer, this_host
+from runtime.dist.peerwatch import PeerWatch
+from runtime.core.plan import StepPlan
+from runtime.dist.wire import (
     dumps,
     loads,
     plan_from_wire,
@@ -62,12 +62,12 @@ from runtime.wire import (
     send_frame,
 )
 
-log = logging.getLogger("runtime.comm")
+log = logging.getLogger("runtime.dist.comm")
 # Gloo's per-operation timeout (and the store's): a collective waits this long for a peer.
 PG_TIMEOUT_S = 120.0
 
 
-class Comm(PeerWatch):
+class Comm:
     """One rank's end of the control plane. Size 1 needs no sockets at all."""
 
     def __init__(self, boot: Bootstrap | None = None,
@@ -82,9 +82,7 @@ class Comm(PeerWatch):
         self._store_listener: socket.socket | None = None
         self.store_addr = ""
         self._hosts: tuple[RankHost, ...] = ()
-        self._ending = threading.Event()  # the job ends by agreement: disconnects expected
-        self._reading = False  # rank 0 after admission: peers may send drain requests
-        self._wake: tuple[int, int] | None = None
+        self.peer_watch = PeerWatch(self.rank, self.size, self._who)
         if self.size == 1:
             return
         secret = bytes.fromhex(self.boot.secret)
@@ -103,6 +101,7 @@ class Comm(PeerWatch):
             peer = self._leader.getpeername()[0]
             why = (f"the route to rank 0 at {peer}" if not self.boot.comm_iface
                    else f"--comm-iface {self.boot.comm_iface}")
+        self.peer_watch.connected(self._peers, self._leader)
         self._exchange_hosts(addr, why)
 
     def _accept_all(self, listeners: Listeners, secret: bytes, timeout_s: float) -> list[str]:
@@ -137,7 +136,7 @@ class Comm(PeerWatch):
         return used
 
     def _connect(self, secret: bytes, timeout_s: float) -> socket.socket:
-        """A peer: rank 0's addresses in route order (runtime/netif.py), the first that
+        """A peer: rank 0's addresses in route order (runtime/dist/netif.py), the first that
         answers; from the interface asked for, if one was."""
         asked = asked_ifaces(self.boot.comm_iface or None)
         source = (asked[0].addr, 0) if asked else None
@@ -273,7 +272,7 @@ class Comm(PeerWatch):
         if self.size == 1:
             return
         if plan.shutdown:
-            self._ending.set()
+            self.peer_watch.expect_end()
         data = plan_to_wire(plan)
         for p in self._peers:
             send_frame(p, data)
@@ -285,7 +284,7 @@ class Comm(PeerWatch):
         except (OSError, ConnectionError) as e:
             raise PeerLost(f"{self._who(0)}: {describe_failure(e, self._leader)}") from None
         if plan.shutdown:
-            self._ending.set()
+            self.peer_watch.expect_end()
         return plan
 
     def close(self) -> None:
@@ -295,8 +294,7 @@ class Comm(PeerWatch):
         interpreter finalizes, and the process aborts at exit (pthread_exit inside
         PyEval_AcquireThread: about one exit in five after collectives, measured).
         """
-        self._ending.set()
-        self._poke()
+        self.peer_watch.expect_end()
         for s in (*self._peers, self._leader, self._store_listener):
             if s is not None:
                 s.close()

@@ -71,7 +71,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     guided: GuidedSpec | None = None
     # The compiled form of `guided` for executors that constrain sampling themselves
-    # (xgrammar's CompiledGrammar, see runtime/grammar.py); compiled by the caller, off
+    # (xgrammar's CompiledGrammar, see runtime/core/grammar.py); compiled by the caller, off
     # the engine thread, and cached per spec.
     grammar: Any = field(default=None, compare=False, repr=False)
     # Scheduling, not sampling: lower values are admitted (and keep their rows) first.

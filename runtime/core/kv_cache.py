@@ -22,7 +22,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-from runtime.plan import NULL_BLOCK
+from runtime.core.plan import NULL_BLOCK
 
 
 class NoFreeBlocks(RuntimeError):

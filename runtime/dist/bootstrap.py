@@ -3,7 +3,7 @@ secret to every rank (`mpi_bootstrap`), then each rank > 0 connects to rank 0 ov
 both sides prove they know the secret (HMAC challenge-response, both ways) before anything
 is read. Also the socket options and the words for a failed control connection.
 
-Several hosts: rank 0 listens on each candidate address (runtime/netif.py) and hands them
+Several hosts: rank 0 listens on each candidate address (runtime/dist/netif.py) and hands them
 all out; the MPI runtime's name service carries them, not MPI point-to-point traffic, so
 nothing depends on the MPI library's own choice of interfaces.
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.env import PEER_TIMEOUT, RENDEZVOUS, number
-from runtime.netif import InterfaceError, host_key, listen_candidates
-from runtime.wire import recv_exact
+from runtime.dist.netif import InterfaceError, host_key, listen_candidates
+from runtime.dist.wire import recv_exact
 
 _RANK = struct.Struct("<I")
 NONCE = 32
@@ -42,7 +42,7 @@ class RankHost:
     """Where one rank runs and the interface its side of the job is bound to."""
 
     hostname: str
-    key: str  # equal for ranks of one host (runtime/netif.py)
+    key: str  # equal for ranks of one host (runtime/dist/netif.py)
     iface: str
     addr: str
     why: str = ""
@@ -140,7 +140,7 @@ def _rendezvous(world: Any, info: dict[str, Any] | None, one_host: bool) -> dict
 
 
 def mpi_bootstrap(comm_iface: str | None = None) -> tuple[Bootstrap, Listeners | None]:
-    """Rank discovery over MPI: rank 0 listens on its candidate addresses (runtime/netif.py)
+    """Rank discovery over MPI: rank 0 listens on its candidate addresses (runtime/dist/netif.py)
     and hands them, with a fresh secret, to every rank; the ranks' connections then decide
     which interfaces the job uses (Comm). Raises InterfaceError on every rank when rank 0
     has no address to offer (e.g. --comm-iface names no interface of its host)."""

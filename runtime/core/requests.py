@@ -1,8 +1,8 @@
 """The engine's requests: each a group of sequences with their sampling state (rank 0).
 
 A request starts as one sequence; with n > 1 (or best_of) it forks into its siblings when
-it samples its first token (runtime/scheduler.py), each with its own state
-(runtime/logits.py: random stream, penalty counts, grammar position). `RequestTable`
+it samples its first token (runtime/core/scheduler.py), each with its own state
+(runtime/core/logits.py: random stream, penalty counts, grammar position). `RequestTable`
 keeps them by request id and sequence id, draws each step's tokens (siblings' first
 tokens from their parent's logits row), gathers prompt log-probabilities, and builds
 the events the callbacks receive.
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.logits import SeqSampling
-from runtime.plan import StepPlan
-from runtime.sampler import Sampler, make_generator
-from runtime.scheduler import Scheduler
-from runtime.sequence import Sequence
-from runtime.types import EventCallback, SamplingParams, TokenEvent, TokenLogprob
+from runtime.core.logits import SeqSampling
+from runtime.core.plan import StepPlan
+from runtime.core.sampler import Sampler, make_generator
+from runtime.core.scheduler import Scheduler
+from runtime.core.sequence import Sequence
+from runtime.core.types import EventCallback, SamplingParams, TokenEvent, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from runtime.types import FinishReason, SamplingParams
+from runtime.core.types import FinishReason, SamplingParams
 
 
 class SeqStatus(enum.Enum):

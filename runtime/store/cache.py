@@ -19,7 +19,7 @@ from contract.layout import MANIFEST_NAME
 from contract.manifest import FileEntry, Manifest
 from runtime.env import cache_root
 
-log = logging.getLogger("runtime.engine_cache")
+log = logging.getLogger("runtime.store.cache")
 
 
 def default_cache() -> Path:

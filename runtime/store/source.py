@@ -5,7 +5,7 @@
 engine's manifest; every rank then opens the same pinned engine. From a store each rank
 reads only what it loads: the manifest, its own shard (parallel ranged reads straight into
 memory, hashed as the parts arrive) and the small files its gates ask for (verified, then
-written to the private directory of runtime/engine_files.py). Whatever was verified is
+written to the private directory of runtime/store/files.py). Whatever was verified is
 also written to the cache (`<cache>/<model>/<engine-id>/`, each file atomically, the
 manifest last once every file is there), so the next start on this host reads locally; a
 cached file is hashed like any other before use, and one that fails is fetched again.
@@ -33,13 +33,13 @@ from contract.refs import (
     parse_ref,
     tag_key,
 )
-from runtime.engine_cache import EngineCache
-from runtime.engine_files import EngineFiles
+from runtime.store.cache import EngineCache
+from runtime.store.files import EngineFiles
 
 if TYPE_CHECKING:  # the loader imports torch: the launcher only resolves, it loads nothing
-    from runtime.loader import LoadedShard
+    from runtime.store.loader import LoadedShard
 
-log = logging.getLogger("runtime.engine_source")
+log = logging.getLogger("runtime.store.source")
 
 
 def manifest_from_text(text: str, where: str) -> Manifest:
@@ -63,7 +63,7 @@ def _mismatch(where: str) -> BuildError:
 
 
 def resolve_tag(store: Any, ref: EngineRef) -> TagRecord:
-    """The tag object `ref` names (store: runtime.objstore.ObjectStore)."""
+    """The tag object `ref` names (store: runtime.store.objstore.ObjectStore)."""
     assert ref.tag is not None
     data = store.get(tag_key(ref.model, ref.tag))
     try:
@@ -122,7 +122,7 @@ class EngineSource:
         return self.local_dir / name
 
     def load_shard(self, name: str, device: str) -> tuple[LoadedShard, dict[str, Any]]:
-        from runtime.loader import load_shard
+        from runtime.store.loader import load_shard
 
         return load_shard(self.shard_path(name), device), {"from": "directory"}
 
@@ -140,7 +140,7 @@ class StoreSource(EngineSource):
 
     def __init__(self, ref: EngineRef, cache: EngineCache | None, store: Any = None,
                  deadline: float | None = None) -> None:
-        from runtime.objstore import ObjectStore
+        from runtime.store.objstore import ObjectStore
 
         self.ref = ref
         self.store = store or ObjectStore(ref.store, deadline)
@@ -243,7 +243,7 @@ class StoreSource(EngineSource):
         return Path(self.store.url(self.key(name)))
 
     def load_shard(self, name: str, device: str) -> tuple[LoadedShard, dict[str, Any]]:
-        from runtime.loader import load_shard
+        from runtime.store.loader import load_shard
 
         assert self.files is not None
         entry = self.files.require(name)

@@ -5,7 +5,7 @@ the target is a GPU, so the host-to-device copy is one DMA); a second thread has
 chunk as soon as it lands, so verification costs no second read. Tensors are zero-copy
 views into the (device) buffer, located from the safetensors header.
 
-From an object store (runtime/objstore.py) the shard is read the same way, as parallel
+From an object store (runtime/store/objstore.py) the shard is read the same way, as parallel
 ranged GETs straight into the buffer (no temporary file); parts land out of order and the
 hasher takes each as soon as every part before it is in.
 """
@@ -29,7 +29,7 @@ import torch
 from runtime.env import THP, flag
 
 if TYPE_CHECKING:
-    from runtime.objstore import ObjectStore
+    from runtime.store.objstore import ObjectStore
 
 _CHUNK = 16 << 20
 # safetensors dtype names -> torch dtypes (what the engine shards and checkpoints use).
@@ -105,7 +105,7 @@ def read_object_hashed(store: ObjectStore, key: str, size: int, pin: bool = Fals
                        ) -> tuple[torch.Tensor, str, float]:
     """An object of `size` bytes in one uint8 host tensor, read as parallel ranged GETs,
     hashed in order while the parts arrive; its sha256 and the seconds it took."""
-    from runtime.objstore import read_into_hashed
+    from runtime.store.objstore import read_into_hashed
 
     buf = host_buffer(size, pin)
     digest, secs = read_into_hashed(store, key, memoryview(buf.numpy()).cast("B"))

@@ -1,4 +1,4 @@
-"""The scheduler's configuration and statistics (plain data; see runtime/scheduler.py)."""
+"""The scheduler's configuration and statistics (plain data; see runtime/core/scheduler.py)."""
 
 from __future__ import annotations
 

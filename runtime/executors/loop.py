@@ -5,7 +5,7 @@ schedules a step, sends the plan to the other ranks, runs its own shard, samples
 hands each request's new tokens to its callback. The HTTP thread only enqueues and
 cancels; it never waits for model compute.
 
-A request is a group of sequences (runtime/requests.py): one, or n/best_of that fork
+A request is a group of sequences (runtime/core/requests.py): one, or n/best_of that fork
 from the first when it samples its first token.
 """
 
@@ -15,16 +15,14 @@ import queue
 import threading
 import time
 
-from runtime.comm import Comm
-from runtime.grammar import GrammarState
-from runtime.logits import SeqSampling
-from runtime.plan import StepPlan
-from runtime.requests import Group, RequestTable
-from runtime.runner import ModelRunner
-from runtime.sampler import Sampler, make_generator
-from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.sequence import Sequence
-from runtime.types import (
+from runtime.core.grammar import GrammarState
+from runtime.core.logits import SeqSampling
+from runtime.core.plan import StepPlan
+from runtime.core.requests import Group, RequestTable
+from runtime.core.sampler import Sampler, make_generator
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Sequence
+from runtime.core.types import (
     EventCallback,
     ExecutorStats,
     FinishReason,
@@ -32,10 +30,12 @@ from runtime.types import (
     TokenEvent,
     UnsupportedParameter,
 )
+from runtime.dist.comm import Comm
+from runtime.executors.runner import ModelRunner
 
 
 class LLMEngine:
-    """Implements `runtime.types.Executor` over our scheduler and model runner."""
+    """Implements `runtime.core.types.Executor` over our scheduler and model runner."""
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, comm: Comm | None = None) -> None:
         self.runner = runner
@@ -65,7 +65,7 @@ class LLMEngine:
                                        f"request exceed this engine's batch size ({limit})")
         if params.guided is not None and params.grammar is None:
             raise UnsupportedParameter("response_format", "the grammar was not compiled "
-                                       "(runtime.grammar.GrammarCompiler) before submission")
+                                       "(runtime.core.grammar.GrammarCompiler) before submission")
         with self._lock:
             self._unfinished += 1
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, on_event)))

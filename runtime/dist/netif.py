@@ -3,7 +3,7 @@
 A TP job's control plane (rank 0's plan port), the torch process group's rendezvous store
 and gloo's own connections must bind an address the other ranks can reach: loopback when
 every rank is on one host, else the interface on the path between the hosts. The path is
-found by the control plane's own connections (runtime/comm.py):
+found by the control plane's own connections (runtime/dist/comm.py):
 
 - Rank 0 listens on each candidate address (`listen_candidates`): those of the interface
   asked for (`--comm-iface`, else the conventional `GLOO_SOCKET_IFNAME` or

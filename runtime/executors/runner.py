@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.plan import NULL_BLOCK, ScheduledSeq, StepPlan
+from runtime.core.plan import NULL_BLOCK, ScheduledSeq, StepPlan
 
 StepFn = Callable[..., torch.Tensor]
 

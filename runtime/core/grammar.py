@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from runtime.types import GuidedSpec
+from runtime.core.types import GuidedSpec
 
 Future = concurrent.futures.Future
 

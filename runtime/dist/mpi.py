@@ -45,7 +45,7 @@ _PROBE = (
     "mpi4py.rc.initialize = False\n"
     "mpi4py.rc.finalize = False\n"
     "from mpi4py import MPI\n"
-    "from runtime.mpi import loaded_libmpi\n"
+    "from runtime.dist.mpi import loaded_libmpi\n"
     "print(loaded_libmpi() or '')\n"
 )
 

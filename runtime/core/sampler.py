@@ -5,7 +5,7 @@ token by inverse CDF on the logits' device. So a seeded request gives the same t
 the same logits whatever else shares its batch, and only `n` floats cross to the device.
 
 Log-probabilities are those of the distribution the token was drawn from: the logits
-after the processors of runtime/logits.py (grammar mask, logit_bias, penalties,
+after the processors of runtime/core/logits.py (grammar mask, logit_bias, penalties,
 min_tokens) and after temperature, before the top-k/top-p cut (so a token outside the
 nucleus still gets its true, finite value). This is vLLM's "processed" choice, its
 default before v1; a greedy row's temperature counts as 1. Prompt log-probabilities
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.logits import SeqSampling, apply_processors, leaves_untouched
-from runtime.types import SamplingParams, TokenLogprob
+from runtime.core.logits import SeqSampling, apply_processors, leaves_untouched
+from runtime.core.types import SamplingParams, TokenLogprob
 
 Row = tuple[SamplingParams, torch.Generator | None]
 

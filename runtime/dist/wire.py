@@ -11,7 +11,7 @@ import socket
 import struct
 from typing import Any
 
-from runtime.plan import NewSeq, ScheduledSeq, StepPlan
+from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 
 _LEN = struct.Struct("<Q")
 MAX_FRAME = 64 << 20  # a plan of max_num_tokens prompt ids is far smaller; refuse garbage
