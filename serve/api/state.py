@@ -89,7 +89,12 @@ class ServerState:
     api_key: str | None = None  # /v1/* needs "Authorization: Bearer <api_key>" when set
     max_connections: int = 1024
     header_timeout: float = 10.0  # seconds for a new connection's first request header
-    keepalive_timeout: float = 15.0  # an idle keep-alive connection is closed after this
+    # An idle keep-alive connection is closed after this. It must outlast the clients' own
+    # pool expiry (aiohttp 15 s, httpx and so the openai client 5 s): when both ends close at
+    # the same idle time, a client reuses a connection at the moment the server closes it and
+    # gets "Server disconnected" for a request the server never saw (one in ~3,600 in a
+    # 30-minute soak at 15 s). 75 s, as nginx and aiohttp's own default.
+    keepalive_timeout: float = 75.0
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured-output bounds
     reasoning_parser: str | None = None  # --reasoning-parser: serve/api/reasoning.py's FORMATS
     tool_parser: str | None = None  # --tool-parser (serve/api/tools.py); None: from the template

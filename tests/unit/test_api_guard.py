@@ -90,3 +90,51 @@ def test_openapi_describes_every_route_and_the_security(guarded) -> None:
     state.api_key = None
     assert "securitySchemes" not in json.loads(call(handle.port, "GET", "/openapi.json")[2])[
         "components"]
+
+
+def test_idle_keepalive_outlasts_the_clients_pools() -> None:
+    """Whoever closes an idle connection first must be the client: a server that closes at
+    the clients' own pool expiry races their reuse ("Server disconnected" for a request the
+    server never read; seen once in a 30-minute soak with both at 15 s)."""
+    import asyncio
+
+    import aiohttp
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    async def aiohttp_expiry() -> float:
+        connector = aiohttp.TCPConnector()
+        try:
+            return float(connector._keepalive_timeout)  # type: ignore[attr-defined]
+        finally:
+            await connector.close()
+
+    ours = ServerState(model_name="tiny", tokenizer=build_tiny_tokenizer(),
+                       max_seq_len=64).keepalive_timeout
+    clients = {"aiohttp": asyncio.run(aiohttp_expiry()),
+               "openai": float(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0.0)}
+    assert all(v > 0 for v in clients.values()), clients
+    for name, expiry in clients.items():
+        assert ours >= 2 * expiry, f"server keep-alive {ours} s vs {name}'s pool {expiry} s"
+
+
+def test_an_idle_keepalive_connection_past_the_header_timeout_is_served(guarded) -> None:
+    """The header timeout is for a connection's first request only: a pooled connection
+    idle longer than it (0.5 s here) still carries the next request."""
+    _, handle = guarded
+    request = (f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+               ).encode()
+    with socket.create_connection(("127.0.0.1", handle.port), timeout=5) as s:
+        for _ in range(2):
+            s.sendall(request)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = s.recv(65536)
+                assert chunk, "the server closed a keep-alive connection"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += s.recv(65536)
+            time.sleep(1.0)
