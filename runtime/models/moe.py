@@ -57,8 +57,9 @@ class SparseMoeBlock(nn.Module):
         weights = self.routing_weights(x)
         out: torch.Tensor | None = None
         for e, expert in enumerate(self.experts):
-            # As transformers: each expert's weighted output (float32 weight) rounded to the
-            # model dtype, then added in expert order.
+            # As transformers' Mixtral: each expert's output times its float32 weight, rounded
+            # to the model dtype, added in expert order (its Qwen3-MoE rounds the weight to
+            # the model dtype first: in bf16 one rounding apart; float32 engines exact).
             y = (expert(x) * weights[:, e, None]).to(x.dtype)  # [T, hidden], partial over ranks
             out = y if out is None else out + y
         assert out is not None
