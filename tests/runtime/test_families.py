@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from contract.profile import BuildProfile
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
-from runtime.checkpoint import read_model_config
+from runtime.checkpoint import load_engine_model_config, read_model_config
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.hf_names import checkpoint_name, llama_names
 from runtime.models.parallel import TPContext
@@ -202,6 +202,8 @@ def test_quantized_eager_engines_are_exact_on_dequantized_weights(
     engine = build_engine(BuildConfig(model=str(model), tp=1, backend="eager", dtype="float32",
                                       target="cpu", profile=PROFILE, store=str(tmp_path / "s"),
                                       quant=scheme, quant_group_size=32)).engine_dir
+    # The engine records the family as read (its architecture, experts and routing).
+    assert load_engine_model_config(engine) == read_model_config(model)[0]
     out = tmp_path / "logits.json"
     proc = run_mpirun(1, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(engine)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
