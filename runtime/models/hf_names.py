@@ -8,6 +8,7 @@ the mixture-of-experts names are Qwen3-MoE's, Llama's MLP once per expert:
 
 Mixtral stores the same tensors as block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1
 (gate), w3 (up) and w2 (down): renamed here (`checkpoint_name`), nothing cut.
+
 Phi-3 stores two fused tensors per layer:
 
   self_attn.qkv_proj.weight  [(Hq + 2 Hk) D, hidden]: rows q | k | v
