@@ -82,7 +82,7 @@ def test_the_sliding_window_is_what_matches(family_models: dict[str, Path],
         assert max(rel_err(r, last_logits(family_models[kind], t)) for r, t in rows) > 0.1, kind
 
 
-def test_the_routing_is_what_matches(family_models: dict[str, Path],
+def test_the_moe_routing_is_what_matches(family_models: dict[str, Path],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every expert weighted by its softmax (no top-k), or the top-k weights renormalised
     the other way (Mixtral always renormalises, the tiny Qwen3-MoE does not): far off."""
