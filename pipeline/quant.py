@@ -107,4 +107,8 @@ def _hf_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         })
+        for e in range(m.num_experts):  # MoE: Llama's MLP once per expert
+            x, n = f"{p}mlp.experts.{e}.", m.moe_intermediate_size
+            out.update({x + "gate_proj.weight": (n, h), x + "up_proj.weight": (n, h),
+                        x + "down_proj.weight": (h, n)})
     return out

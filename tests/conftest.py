@@ -28,7 +28,9 @@ def run_mpirun(n: int, args: list[str], env: dict[str, str] | None = None,
 # The newer families' tiny shapes: Qwen3 with an explicit head_dim (32, not 64 / 4); Phi-3
 # (fused qkv and gate_up tensors) with a sliding window on every layer; Gemma 3 with one KV
 # head (replicated at TP=2), a sliding layer then a global one with their own RoPE (the
-# global one linearly scaled), query_pre_attn_scalar apart from head_dim.
+# global one linearly scaled), query_pre_attn_scalar apart from head_dim. The mixtures of
+# experts: 4 experts, top 2, Mixtral's weights renormalised, Qwen3-MoE's not (its
+# transformers default), its experts' intermediate size apart from its dense one.
 FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "qwen3": dict(head_dim=32),
     "phi3": dict(sliding_window=6),
@@ -37,6 +39,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=False),
 }
 
 
@@ -65,7 +70,9 @@ def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overri
     elif kind in FAMILY_DEFAULTS:
         cfg_cls, cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
-                        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[kind]
+                        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+                        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+                        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[kind]
         cfg = cfg_cls(**{**FAMILY_DEFAULTS[kind], **common})
     else:
         raise ValueError(kind)
@@ -81,7 +88,7 @@ def make_tiny_checkpoint(out: Path, kind: str = "llama", seed: int = 0, **overri
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny Qwen3, Phi-3 and Gemma 3 checkpoints (FAMILY_DEFAULTS)."""
+    """Tiny Qwen3, Phi-3, Gemma 3, Mixtral and Qwen3-MoE checkpoints (FAMILY_DEFAULTS)."""
     root = tmp_path_factory.mktemp("families")
     return {k: make_tiny_checkpoint(root / k, k, seed=7) for k in FAMILY_DEFAULTS}
 

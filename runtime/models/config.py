@@ -13,14 +13,18 @@ from contract.errors import BuildError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Phi3ForCausalLM", "Gemma3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
 )
+# Mixture-of-experts families: every layer's MLP is a routed set of experts (moe.py).
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _SUPPORTED_ACTS = ("silu", "gelu_pytorch_tanh")
 # Architectures whose config.json lists each layer's attention type ("sliding_attention" /
 # "full_attention") and whose sliding windows we honour; Mistral's and Phi-3's cover every layer.
 _LAYER_TYPED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
-_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
+_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# transformers drops these families' window unless `use_sliding_window` switches it on.
+_WINDOW_SWITCHED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale^-2 when not head_dim
     sliding_windows: tuple[int, ...] = ()  # per layer, keys a query sees (0: all); () all 0
     rope_local: RopeConfig | None = None  # the sliding layers' RoPE when it differs (Gemma 3)
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU
+    # experts of `moe_intermediate_size`, `num_experts_per_tok` of them weighted per token by
+    # the router's softmax (renormalised over the chosen ones with `norm_topk_prob`). 0: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -69,6 +80,23 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})",
                 "the checkpoint's config.json is inconsistent; fix or re-export it",
             )
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise BuildError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                f"({self.num_experts}) and moe_intermediate_size "
+                f"({self.moe_intermediate_size}) positive",
+                "the checkpoint's config.json is inconsistent; fix or re-export it",
+            )
+
+    @property
+    def moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts (runtime/models/moe.py)."""
+        return self.num_experts > 0
+
+    @property
+    def dense_mlp(self) -> bool:
+        return self.num_experts == 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -86,6 +114,7 @@ class ModelConfig:
         if cfg.get("mlp_bias"):
             raise BuildError("unsupported option mlp_bias=true", "only bias-free MLPs are implemented")
         _refuse_unsupported(arch, cfg)
+        moe = _moe_fields(arch, cfg)
         gemma = arch == "Gemma3ForCausalLM"
         rope_params = cfg.get("rope_parameters") or {}
         if gemma and "full_attention" in rope_params:  # transformers 5: one dict a layer type
@@ -118,13 +147,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=act,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
             query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None),
             sliding_windows=_sliding_windows(arch, cfg),
             rope_local=rope_local,
+            **moe,
         )
 
     @property
@@ -152,7 +182,10 @@ class ModelConfig:
                 f"--tp {tp} exceeds the {self.num_attention_heads} attention heads",
                 f"choose a --tp of at most {self.num_attention_heads}",
             )
-        for what, n in (("vocabulary size", self.vocab_size), ("intermediate size", self.intermediate_size)):
+        # An MoE model runs no dense MLP: its experts' intermediate size is what is split.
+        inter = ("expert intermediate size", self.moe_intermediate_size) if self.moe else (
+            "intermediate size", self.intermediate_size)
+        for what, n in (("vocabulary size", self.vocab_size), inter):
             if n % tp:
                 raise BuildError(
                     f"--tp {tp} does not divide the {what} ({n})",
@@ -193,10 +226,39 @@ def _refuse_unsupported(arch: str, cfg: dict[str, Any]) -> None:
                          "only RoPE over the whole head is implemented")
 
 
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts family (none for a dense one).
+
+    Mixtral renormalises the top-k softmax weights always; Qwen3-MoE when `norm_topk_prob`
+    (transformers' default: not). Qwen3-MoE layers that keep a dense MLP
+    (`decoder_sparse_step` above 1, `mlp_only_layers`) are refused: no released checkpoint
+    has them and every layer of our decoder is the same kind."""
+    if arch not in _MOE:
+        return {}
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    step = cfg.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise BuildError(f"unsupported option decoder_sparse_step={step}",
+                         "only Qwen3-MoE models whose every layer is sparse (step 1) are implemented")
+    if cfg.get("mlp_only_layers"):
+        raise BuildError(f"unsupported option mlp_only_layers={cfg['mlp_only_layers']}",
+                         "only Qwen3-MoE models whose every layer is sparse are implemented")
+    # transformers 5 writes num_local_experts (num_experts is its alias); released configs num_experts.
+    n = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not n:
+        raise BuildError("Qwen3-MoE config without num_experts",
+                         "a dense Qwen3 checkpoint is Qwen3ForCausalLM")
+    return dict(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
 def _sliding_windows(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's window (0: global), or () where no layer has one."""
     n, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or 0
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+    if arch in _WINDOW_SWITCHED and not cfg.get("use_sliding_window"):
         window = 0  # transformers' Qwen2/3 configs drop the window unless it is switched on
     if window >= cfg.get("max_position_embeddings", window + 1):
         window = 0  # no position can see past it (Mistral v0.2+ configs: our kernels run)

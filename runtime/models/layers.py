@@ -87,6 +87,19 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     return linear(x, w, b, tp, float_out=float_out)
 
 
+class ReplicatedLinear(_Weight):
+    """y = x W^T with the whole float W on every rank (an MoE router); no communication."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self._init_weight(out_features, in_features, dtype, None)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, None, self.tp)
+
+
 class ColumnParallelLinear(_Weight):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
@@ -122,16 +135,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Weight):
-    """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks."""
+    """y = all_reduce(x_shard W_shard^T): W's input columns split across ranks.
+    `reduce_results` False: the rank's partial sum, for a caller that adds several of them
+    before one all-reduce (an MoE layer's experts)."""
 
     def __init__(self, in_local: int, out_features: int, tp: TPContext, dtype: torch.dtype,
-                 quant: QuantSpec | None = None, panels: str = "") -> None:
+                 quant: QuantSpec | None = None, panels: str = "",
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self._init_weight(out_features, in_local, dtype, quant, panels)
         self.tp = tp
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._linear(x, None, self.tp))
+        y = self._linear(x, None, self.tp)
+        return self.tp.all_reduce(y) if self.reduce_results else y
 
 
 class VocabParallelEmbedding(_Weight):

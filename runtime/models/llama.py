@@ -1,8 +1,10 @@
-"""One decoder for every family we build (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over
-a paged KV cache, tensor parallel. The families differ in data only (ModelConfig): Qwen3's
-and Gemma's per-head q/k norms, Gemma's (1 + w) norms around attention and MLP, GeGLU,
-scaled embeddings, query_pre_attn_scalar and sliding-window layers with their own RoPE;
-Phi-3's fused checkpoint tensors are split by the converter (runtime/models/hf_names.py).
+"""One decoder for every family we build (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3,
+Mixtral, Qwen3-MoE) over a paged KV cache, tensor parallel. The families differ in data only
+(ModelConfig): Qwen3's and Gemma's per-head q/k norms, Gemma's (1 + w) norms around
+attention and MLP, GeGLU, scaled embeddings, query_pre_attn_scalar and sliding-window layers
+with their own RoPE, Mixtral's and Qwen3-MoE's routed experts in place of the MLP
+(runtime/models/moe.py); Phi-3's fused checkpoint tensors are split by the converter
+(runtime/models/hf_names.py).
 
 `forward` is the engine's step function: flat tensor arguments only, so `torch.export`
 can trace it with dynamic token, batch and block dimensions, and the same code runs
@@ -36,6 +38,7 @@ from runtime.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from runtime.models.moe import SparseMoeBlock
 from runtime.models.parallel import TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
 from runtime.models.sharding import head_in_panels
@@ -83,14 +86,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The gated MLP; an MoE layer's experts are MLPs of `intermediate_size` whose partial
+    sums it all-reduces once (`reduce_results` False)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 quant: Quantization = NONE, panels: str = "") -> None:
+                 quant: Quantization = NONE, panels: str = "", intermediate_size: int = 0,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        inter_local = cfg.intermediate_size // tp.size
+        inter_local = (intermediate_size or cfg.intermediate_size) // tp.size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, 2 * inter_local, False, tp,
                                                        dtype, quant.linear, panels)
         self.down_proj = RowParallelLinear(inter_local, cfg.hidden_size, tp, dtype, quant.linear,
-                                           panels)
+                                           panels, reduce_results)
         self.act = GATED_ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +116,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, tp, dtype, quant, panels, cfg.window(layer))
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, tp, dtype, quant, panels)
+        self.mlp: nn.Module
+        if cfg.moe:
+            experts = [MLP(cfg, tp, dtype, quant, panels, cfg.moe_intermediate_size,
+                           reduce_results=False) for _ in range(cfg.num_experts)]
+            self.mlp = SparseMoeBlock(cfg, tp, dtype, experts)
+        else:
+            self.mlp = MLP(cfg, tp, dtype, quant, panels)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()

@@ -15,7 +15,11 @@ kinds:
   o_proj        row, the input columns of each rank's slots likewise
   merged        gate and up each split dim 0, then concatenated
 
-Sources are Llama's tensor names; a family that stores them otherwise (Phi-3's fused
+A mixture-of-experts layer (runtime/models/moe.py) replaces the MLP's rules: its router
+`mlp.gate` is replicated (every rank routes every token, identically) and each expert
+`{e}` is split as the dense MLP is: gate/up by rows, down by columns.
+
+Sources are Llama's tensor names (the experts' Qwen3-MoE's); a family that stores them otherwise (Phi-3's fused
 qkv_proj and gate_up_proj) is read through runtime/models/hf_names.py, which cuts its
 tensors into these before the rule shards them. A rule `when` a config flag is set exists
 for the families that have it (q/k bias, Qwen3's and Gemma's q/k norms, Gemma's norms
@@ -87,8 +91,20 @@ LAYER_RULES: tuple[ShardRule, ...] = (
         "layers.{i}.mlp.gate_up_proj.weight",
         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
         "merged",
+        when="dense_mlp",
     ),
-    ShardRule("layers.{i}.mlp.down_proj.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+    ShardRule("layers.{i}.mlp.down_proj.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row",
+              when="dense_mlp"),
+    ShardRule("layers.{i}.mlp.gate.weight", ("model.layers.{i}.mlp.gate.weight",), "replicate",
+              when="moe"),
+    ShardRule(
+        "layers.{i}.mlp.experts.{e}.gate_up_proj.weight",
+        ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+        "merged",
+        when="moe",
+    ),
+    ShardRule("layers.{i}.mlp.experts.{e}.down_proj.weight",
+              ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row", when="moe"),
     *(ShardRule(f"layers.{{i}}.{n}.weight", (f"model.layers.{{i}}.{n}.weight",), "replicate",
                 when="sandwich_norms")
       for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")),
@@ -101,15 +117,15 @@ GLOBAL_RULES: tuple[ShardRule, ...] = (
 
 
 def rules_for(cfg: ModelConfig) -> list[ShardRule]:
-    """Every rule instantiated for this model's layers, in a fixed order."""
+    """Every rule instantiated for this model's layers (and experts), in a fixed order."""
     rules: list[ShardRule] = []
     for i in range(cfg.num_hidden_layers):
         for r in LAYER_RULES:
             if r.when and not getattr(cfg, r.when):
                 continue
-            rules.append(
-                ShardRule(r.name.format(i=i), tuple(s.format(i=i) for s in r.sources), r.kind)
-            )
+            for e in range(cfg.num_experts) if "{e}" in r.name else (0,):
+                rules.append(ShardRule(r.name.format(i=i, e=e),
+                                       tuple(s.format(i=i, e=e) for s in r.sources), r.kind))
     for r in GLOBAL_RULES:
         # Tied: the head's shard is the embedding's shard (both split by vocabulary), so it
         # is stored once and bound to both names at load (see bind_tied).

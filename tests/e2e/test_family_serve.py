@@ -1,7 +1,8 @@
-"""A tiny Gemma 3 (sliding and global layers, one KV head replicated on both ranks, (1 + w)
-norms, GeGLU, scaled embeddings) built by `pipeline build` at TP=2 and served under
-`mpirun -n 2`: its greedy completions, streamed and not, are exactly what transformers
-generates in float32, over prompts that run past the sliding window."""
+"""Tiny models of the newer families built by `pipeline build` at TP=2 and served under
+`mpirun -n 2`: their greedy completions, streamed and not, are exactly what transformers
+generates in float32. Gemma 3 (sliding and global layers, one KV head replicated on both
+ranks, (1 + w) norms, GeGLU, scaled embeddings) over prompts that run past the sliding
+window; Mixtral and Qwen3-MoE (4 experts, top 2, each expert split over both ranks)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from tests.conftest import REPO, make_served_checkpoint, subprocess_env
 from tests.e2e.conftest import BUILD_ARGS, Reference
 from tests.e2e.harness import Server, launch
 
-MODEL = "tiny-gemma3"
 PROMPTS = ("The quick brown fox jumps over the lazy dog", "Grüße aus München, 1 2 3")
 
 
-@pytest.fixture(scope="module")
-def gemma3_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("gemma3")
-    checkpoint = make_served_checkpoint(root / MODEL, "gemma3", seed=5)
+@pytest.fixture(scope="module", params=["gemma3", "mixtral", "qwen3_moe"])
+def family_engine(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    checkpoint = make_served_checkpoint(root / f"tiny-{kind}", kind, seed=5)
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline", "build", str(checkpoint), *BUILD_ARGS,
          "--store", str(root / "store")],
@@ -34,9 +36,9 @@ def gemma3_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 
 @pytest.fixture(scope="module")
-def gemma3_server(gemma3_engine: tuple[Path, Path],
+def family_server(family_engine: tuple[Path, Path],
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = launch(gemma3_engine[1], tmp_path_factory.mktemp("gemma3-server"))
+    srv = launch(family_engine[1], tmp_path_factory.mktemp(f"{family_engine[0].name}-server"))
     try:
         srv.wait_ready(timeout=300)
         yield srv
@@ -44,19 +46,20 @@ def gemma3_server(gemma3_engine: tuple[Path, Path],
         srv.close()
 
 
-def test_a_served_gemma3_generates_what_transformers_does(
-        gemma3_engine: tuple[Path, Path], gemma3_server: Server) -> None:
-    checkpoint, engine = gemma3_engine
+def test_a_served_family_generates_what_transformers_does(
+        family_engine: tuple[Path, Path], family_server: Server) -> None:
+    checkpoint, engine = family_engine
+    model = checkpoint.name
     assert read_manifest(engine).tp == 2
     reference = Reference(checkpoint, engine)
-    client = gemma3_server.client()
+    client = family_server.client()
     for prompt in PROMPTS:
         want = reference.completion(prompt, 24, ignore_eos=True)
-        assert want.prompt_tokens + 24 > 4  # past the window of the sliding layer
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+        assert want.prompt_tokens + 24 > 4  # past the window of Gemma 3's sliding layer
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.text, (prompt, r.choices[0].text, want.text)
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=24,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         texts = [c.choices[0].text for c in stream if c.choices]

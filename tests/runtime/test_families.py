@@ -1,7 +1,8 @@
-"""Qwen3, Phi-3 and Gemma 3 against transformers float32 on tiny random checkpoints
-(tests/conftest.py FAMILY_DEFAULTS): logits and greedy in-flight batching at TP=1 and TP=2
-(eager), one compiled (aoti) TP=2 engine per family, and int8_wo / int4_wo engines exact
-against transformers on the dequantized weights.
+"""Qwen3, Phi-3, Gemma 3, Mixtral and Qwen3-MoE against transformers float32 on tiny random
+checkpoints (tests/conftest.py FAMILY_DEFAULTS): logits and greedy in-flight batching at TP=1
+and TP=2 (eager), one compiled (aoti) TP=2 engine per family, and int8_wo / int4_wo engines
+exact against transformers on the dequantized weights (the MoE experts quantized, their
+routers float).
 
 Gemma 3's first layer and every Phi-3 layer slide a window of 4 and 6 keys over prompts of
 5 to 70 tokens in blocks of 4, so a window ends mid-block and a sequence's early blocks fall
@@ -11,8 +12,10 @@ The compiled engines run those windows in our CPU kernels (runtime/kernels/paged
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,18 +27,18 @@ from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.executors.torch import runner_from_checkpoint
-from runtime.models.hf_names import llama_names
+from runtime.models.hf_names import checkpoint_name, llama_names
 from runtime.models.parallel import TPContext
 from runtime.models.sharding import quant_spec_for, rules_for
 from runtime.quant import quantize
-from runtime.store.checkpoint import read_model_config
+from runtime.store.checkpoint import load_engine_model_config, read_model_config
 from tests.conftest import make_tiny_checkpoint, run_mpirun
 from tests.runtime.hf_reference import greedy, last_logits, rel_err
 from tests.runtime.mpi_engine_worker import REFERENCE_TOKENS
 from tests.runtime.mpi_worker import PROMPTS
 from tests.runtime.test_engine import BLOCK, make_engine, run_staggered, staggered_workload
 
-FAMILIES = ["qwen3", "phi3", "gemma3"]
+FAMILIES = ["qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"]
 PROFILE = BuildProfile(max_batch_size=4, max_num_tokens=32, max_seq_len=64, tokens_per_block=4)
 # "Quantized, not garbage" (the exact check is the dequantized reference): as
 # tests/runtime/test_quant_engine.py, but int4 wider: the tiny Gemma 3's int4 logits were 35 %
@@ -79,6 +82,30 @@ def test_the_sliding_window_is_what_matches(family_models: dict[str, Path],
         assert max(rel_err(r, last_logits(family_models[kind], t)) for r, t in rows) > 0.1, kind
 
 
+def test_the_moe_routing_is_what_matches(family_models: dict[str, Path],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every expert weighted by its softmax (no top-k), or the top-k weights renormalised
+    the other way (Mixtral always renormalises, the tiny Qwen3-MoE does not): far off."""
+    from runtime.models.moe import SparseMoeBlock
+
+    routed = SparseMoeBlock.routing_weights
+    for change in ({"top_k": 4}, {"norm_topk_prob": None}):
+        def patched(self: SparseMoeBlock, x: torch.Tensor, change: dict = change) -> torch.Tensor:
+            top_k, norm = self.top_k, self.norm_topk_prob
+            self.top_k = change.get("top_k", top_k)
+            self.norm_topk_prob = not norm if "norm_topk_prob" in change else norm
+            try:
+                return routed(self, x)
+            finally:
+                self.top_k, self.norm_topk_prob = top_k, norm
+
+        monkeypatch.setattr(SparseMoeBlock, "routing_weights", patched)
+        for kind in ("mixtral", "qwen3_moe"):
+            rows = _mixed_steps_logits(family_models[kind])
+            worst = max(rel_err(r, last_logits(family_models[kind], t)) for r, t in rows)
+            assert worst > 1e-3, (kind, change)
+
+
 def test_mistral_and_qwen2_with_a_sliding_window_match_transformers(tmp_path: Path) -> None:
     """Refused before the window was honoured; Mistral's covers every layer, Qwen2's the
     layers from max_window_layers on."""
@@ -112,31 +139,36 @@ def test_tp2_eager_logits_and_inflight_greedy_match_transformers(
 
 @pytest.fixture(scope="session")
 def family_aoti_tp2(family_models: dict[str, Path],
-                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One compiled TP=2 float32 engine per family (Inductor: the slow part; shared)."""
+                    tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A family's compiled TP=2 float32 engine, built when first asked for (Inductor: the
+    slow part, minutes a family; shared), so that `-k` selects the families it compiles."""
     store = tmp_path_factory.mktemp("family-engines")
-    return {k: build_engine(BuildConfig(model=str(p), tp=2, backend="aoti", dtype="float32",
-                                        target="cpu", profile=PROFILE, store=str(store))).engine_dir
-            for k, p in family_models.items()}
+
+    @functools.cache
+    def engine(kind: str) -> Path:
+        return build_engine(BuildConfig(model=str(family_models[kind]), tp=2, backend="aoti",
+                                        dtype="float32", target="cpu", profile=PROFILE,
+                                        store=str(store))).engine_dir
+    return engine
 
 
-def test_aoti_tp2_engines_match_transformers(family_aoti_tp2: dict[str, Path],
-                                             family_models: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "logits.json"
-    engines = [str(family_aoti_tp2[k]) for k in FAMILIES]
-    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), *engines])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_aoti_tp2_engines_match_transformers(family_aoti_tp2: Callable[[str], Path],
+                                             family_models: dict[str, Path], kind: str,
+                                             tmp_path: Path) -> None:
+    out, engine = tmp_path / "logits.json", str(family_aoti_tp2(kind))
+    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), engine])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    for kind, engine in zip(FAMILIES, engines, strict=True):
-        assert (Path(engine) / "rank1.pt2").is_file()
-        logits = torch.tensor(result[engine]["logits"])
-        for row, toks in zip(logits, REFERENCE_TOKENS, strict=True):
-            assert rel_err(row, last_logits(family_models[kind], toks)) < 1e-4, kind
+    assert (Path(engine) / "rank1.pt2").is_file()
+    logits = torch.tensor(json.loads(out.read_text())[engine]["logits"])
+    for row, toks in zip(logits, REFERENCE_TOKENS, strict=True):
+        assert rel_err(row, last_logits(family_models[kind], toks)) < 1e-4, kind
 
 
 def _dequantized(model: Path, engine: Path, out: Path) -> Path:
     """The checkpoint with every weight the engine quantized replaced by its dequantized
-    values, for transformers to compute exactly (Phi-3's pieces fused back)."""
+    values, for transformers to compute exactly (Phi-3's pieces fused back, Mixtral's
+    experts under their own names)."""
     from runtime.store.checkpoint import load_engine_quant
 
     quant = load_engine_quant(engine)
@@ -146,8 +178,8 @@ def _dequantized(model: Path, engine: Path, out: Path) -> Path:
     deq = {src: quantize(get(src), spec).dequantize() for rule in rules_for(cfg)
            if (spec := quant_spec_for(rule, cfg, quant)) is not None for src in rule.sources}
     for name, t in deq.items():
-        if name in weights:
-            weights[name] = t
+        if checkpoint_name(cfg, name) in weights:
+            weights[checkpoint_name(cfg, name)] = t
         elif name.endswith("self_attn.q_proj.weight"):  # Phi-3: rows q | k | v, gate | up
             layer = name.removesuffix("self_attn.q_proj.weight")
             weights[layer + "self_attn.qkv_proj.weight"] = torch.cat(
@@ -170,6 +202,8 @@ def test_quantized_eager_engines_are_exact_on_dequantized_weights(
     engine = build_engine(BuildConfig(model=str(model), tp=1, backend="eager", dtype="float32",
                                       target="cpu", profile=PROFILE, store=str(tmp_path / "s"),
                                       quant=scheme, quant_group_size=32)).engine_dir
+    # The engine records the family as read (its architecture, experts and routing).
+    assert load_engine_model_config(engine) == read_model_config(model)[0]
     out = tmp_path / "logits.json"
     proc = run_mpirun(1, [sys.executable, "-m", "tests.runtime.mpi_engine_worker", str(out), str(engine)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
