@@ -219,7 +219,7 @@ def main() -> None:
     blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
     tp = TPContext(comm.rank, comm.size)
     runner, cfg = runner_from_engine(args.engine, m.backend, m.dtype, tp, blocks,
-                                     p.tokens_per_block, files=files)
+                                     p.tokens_per_block, p.max_num_tokens, files=files)
     transport = "gloo" if comm.size > 1 else "none"
     if comm.size > 1 and files.listed(KERNELS_LIB):
         slot = kernels.slot_bytes_for(p.max_num_tokens, cfg.hidden_size, cfg.vocab_size, m.tp)
