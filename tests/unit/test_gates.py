@@ -114,10 +114,11 @@ class _TwoHostComm:
 
 def _gate_on_two_hosts(their: list[object], torch_here: str = "2.13.0") -> GateLog:
     from serve.launch import LaunchConfig
+    from serve.stages import GateContext
     from serve.startup import HOST_FACTS, Startup
 
     comm = _TwoHostComm(their)
-    st = Startup(LaunchConfig(engine=Path("/nonexistent")), comm, GateLog())  # type: ignore[arg-type]
+    st = Startup(GateContext(LaunchConfig(engine=Path("/nonexistent")), comm, GateLog()))  # type: ignore[arg-type]
     st.gate("compatible", lambda ev: ev.update({HOST_FACTS: {"torch": torch_here, "files": 3}}))
     return st.log
 
