@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime import floors
+from runtime.store import floors
 
 GB = 1e9
 
 
 def memory_read_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
     """Read bandwidth in GB/s: the best of `repeats` full sums over an nbytes float32 array
-    (runtime/floors.py, as the server measures it; numpy for reference)."""
+    (runtime/store/floors.py, as the server measures it; numpy for reference)."""
     a = np.ones(nbytes // 4, dtype=np.float32)  # [n]
     numpy_s = floors.best_seconds(lambda: a.sum(), repeats)
     return {"torch_sum": floors.memory_read_gbps(nbytes, repeats), "numpy_sum": nbytes / numpy_s / GB}
@@ -37,7 +37,7 @@ def memory_read_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]
 
 def memory_copy_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
     """Host copy bandwidth in GB/s (bytes copied / time) into a pre-faulted destination
-    (runtime/floors.py, as the server measures it; numpy for reference)."""
+    (runtime/store/floors.py, as the server measures it; numpy for reference)."""
     a = np.ones(nbytes // 4, dtype=np.float32)
     b = np.zeros_like(a)
     numpy_s = floors.best_seconds(lambda: np.copyto(b, a), repeats)

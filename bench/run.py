@@ -28,7 +28,7 @@ from typing import Any
 
 from bench import common, floors, hf_baseline, phases, report, systems
 from bench.servers import ServerSpec, serve
-from runtime.floors import drop_page_cache
+from runtime.store.floors import drop_page_cache
 
 FULL = phases.Workload()
 QUICK = phases.Workload(

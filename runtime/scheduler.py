@@ -58,7 +58,7 @@ from bisect import insort
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
-from runtime.limits import output_budget, stop_ids
+from runtime.core.limits import output_budget, stop_ids
 from runtime.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.scheduler_state import SchedulerState, schedule_order
@@ -83,7 +83,7 @@ class Scheduler(SchedulerState):
         n_prompt = seq.num_prompt_tokens
         if n_prompt == 0:
             raise ValueError("the prompt must contain at least one token")
-        # The context-length limit is runtime/limits.py's (the HTTP layer applies it first).
+        # The context-length limit is runtime/core/limits.py's (the HTTP layer applies it first).
         output_budget(n_prompt, seq.params.max_tokens, seq.params.min_tokens, cfg.max_seq_len)
         total = n_prompt + seq.params.max_tokens
         # The last sampled token is never computed, so the KV cache holds at most total - 1.

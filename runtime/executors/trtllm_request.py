@@ -12,7 +12,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from runtime.limits import stop_ids
+from runtime.core.limits import stop_ids
 from runtime.types import GuidedSpec, SamplingParams, TokenLogprob, UnsupportedParameter
 
 SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runtime.limits import LimitError, output_budget, stop_ids
+from runtime.core.limits import LimitError, output_budget, stop_ids
 from runtime.types import SamplingParams
 from serve.api.protocol import ApiError, GenerationRequest
 
@@ -80,7 +80,7 @@ def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: 
     max_tokens 0 (completions with echo: the prompt's log-probabilities only) runs one
     step, whose token the HTTP layer drops. `vocab` bounds logit_bias and stop_token_ids
     (the tokenizer's and model's smaller vocabulary, see `model_vocab`)."""
-    # The limits themselves are runtime/limits.py's, which the scheduler applies too.
+    # The limits themselves are runtime/core/limits.py's, which the scheduler applies too.
     try:
         max_tokens = output_budget(prompt_len, req.max_tokens, req.min_tokens, max_seq_len,
                                    "messages" if req.kind == "chat" else "prompt")

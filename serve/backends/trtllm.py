@@ -38,7 +38,6 @@ import torch
 
 from contract.layout import MODEL_CONFIG_TRTLLM, TRTLLM_CONFIG, rank_trt_engine
 from contract.manifest import Manifest, hash_file
-from runtime import floors
 from runtime.executors.trtllm import TrtllmExecutor
 from runtime.executors.trtllm_setup import (
     INSTALL,
@@ -51,6 +50,7 @@ from runtime.executors.trtllm_setup import (
 from runtime.host import gpu_sm
 from runtime.mpi import mpi_library_version
 from runtime.plan import StepPlan
+from runtime.store import floors
 from runtime.types import SamplingParams
 from serve.backends.base import Backend, EngineFault, Serving
 from serve.backends.trtllm_mpi import check_mpi_world, finalize_mpi, watch_leader

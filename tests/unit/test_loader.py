@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.floors import files_read, host_copy_gbps, memory_read_gbps, storage_read_gbps
 from runtime.loader import load_shard, tensors_from_safetensors
+from runtime.store.floors import files_read, host_copy_gbps, memory_read_gbps, storage_read_gbps
 
 
 def test_load_shard_matches_safetensors_and_hashes_once(tmp_path: Path) -> None:
