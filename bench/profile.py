@@ -37,6 +37,7 @@ from runtime.models.attention import decode_attention
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
 from runtime.scheduler import SchedulerConfig
+from runtime.store.floors import best_seconds
 from runtime.types import SamplingParams
 
 
@@ -57,13 +58,7 @@ class Timers:
 
 
 def _best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_seconds(fn, repeats) * 1e3
 
 
 def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,

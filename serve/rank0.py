@@ -24,6 +24,7 @@ from serve.startup import Startup, engine_summary, read_generation_eos
 if TYPE_CHECKING:
     from runtime.comm import Comm
     from runtime.tokenizer import FastTokenizer
+    from runtime.types import Executor
     from serve.api import HttpServerHandle, ServerState
     from serve.launch import LaunchConfig
 
@@ -150,7 +151,7 @@ class Rank0:
         else:
             self.log.amend("resolve", **found)
 
-    def startup(self) -> Serving:
+    def startup(self) -> tuple[Serving, Executor]:
         self.st.run(on_resolved=self._tokenizer, until="kernels")
         # Liveness before the warmup: the HTTP layer came up on its thread while the gates
         # ran (it is needed for admission anyway), so a probe or a stop signal always finds
@@ -171,7 +172,7 @@ class Rank0:
         # Ready only once the gate is closed, so /health/ready never precedes the record.
         self.state.open_admission(executor)
         self.life.serving.set()
-        return serving
+        return serving, executor
 
     def _peer_failed(self, why: str) -> None:
         executor = self.state.executor
@@ -195,7 +196,7 @@ class Rank0:
         if pinned is not None:
             self.threads["step_thread_cores"] = pinned
         try:
-            serving = self.startup()
+            serving, executor = self.startup()
         except GateFailure as e:
             self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
@@ -207,7 +208,7 @@ class Rank0:
             self.life.error(f"{e} — choose another --port or stop the other server")
             return 2
         log.info("admission open; cold start:\n%s", self.log.table())
-        cut = self._serve(serving)
+        cut = self._serve(serving, executor)
         serving.finalize()
         return EXIT_DRAIN_CUT if cut else 0
 
@@ -225,10 +226,8 @@ class Rank0:
         self.http.stop(timeout=2)
         self.life.exit_now(1)
 
-    def _serve(self, serving: Serving) -> int:
+    def _serve(self, serving: Serving, executor: Executor) -> int:
         """Serve until drained; returns how many requests the drain deadline cut off."""
-        executor = self.state.executor
-        assert executor is not None
         deadline: float | None = None
         while True:
             if self.life.drain.is_set():

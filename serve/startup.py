@@ -202,15 +202,15 @@ class Startup:
                 m = source.read_manifest()
         except BuildError as e:
             raise GateFailure("resolve", e.cause, e.remedy) from None
-        resolved = Resolved(m, source.open(m), source, pin) if (
-            pin is None or pin.engine_id == m.engine_id) else None
-        backend = make_backend(self.ctx, resolved, ev) if resolved is not None else None
-        ev.update(engine_id=m.engine_id, model=m.model_name, backend=m.backend, tp=m.tp,
-                  dtype=m.dtype, schema=m.schema_version, source=source.where)
-        if resolved is None or backend is None:
+        where = dict(engine_id=m.engine_id, model=m.model_name, backend=m.backend, tp=m.tp,
+                     dtype=m.dtype, schema=m.schema_version, source=source.where)
+        if pin is not None and pin.engine_id != m.engine_id:
+            ev.update(where)
             raise GateFailure("resolve", f"{source.where} holds engine {m.engine_id}, not the "
-                              f"pinned {pin.engine_id if pin else ''}",
-                              "push the engine again")
+                              f"pinned {pin.engine_id}", "push the engine again")
+        resolved = Resolved(m, source.open(m), source, pin)
+        backend = make_backend(self.ctx, resolved, ev)
+        ev.update(where)
         self.resolved, self.backend = resolved, backend  # rank 0's gate-1 work reads them
         log.info("serving engine %s/%s from %s", m.model_name, m.engine_id, source.where)
         if on_resolved is not None:
