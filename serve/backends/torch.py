@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from runtime import kernels
 from runtime.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.engine import LLMEngine, worker_loop
 from runtime.engine_source import StoreSource
@@ -26,7 +27,7 @@ from runtime.plan import StepPlan
 from runtime.quant import runs_here
 from runtime.runner import ModelRunner
 from runtime.scheduler import SchedulerConfig
-from runtime.store import floors, kernels
+from runtime.store import floors
 from serve.backends.base import Backend, EngineFault, Serving
 from serve.gates import HOST_FACTS, Evidence, GateChain, GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, CPU_PREFILL_WHILE_DECODING, GPU_KV_FRACTION
