@@ -24,10 +24,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from serve.api.tools import Tool
+
+class Tool(Protocol):
+    """What a grammar needs of a tool (serve.api.tools.Tool): its name and argument schema."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameters(self) -> dict[str, Any]: ...
 
 _WS = r"[ \t\n\r]*"
 
