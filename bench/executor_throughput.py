@@ -60,7 +60,8 @@ def make_engine(hf_dir: Path | None, engine_dir: Path | None, dtype: str, batch:
     blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
     if engine_dir is not None:
         runner, cfg = runner_from_engine(engine_dir, m.backend, m.dtype, TPContext(), blocks,
-                                         p.tokens_per_block, files=EngineFiles(engine_dir, m))
+                                         p.tokens_per_block, p.max_num_tokens,
+                                         files=EngineFiles(engine_dir, m))
     else:
         runner, cfg = runner_from_checkpoint(hf_dir, TPContext(), dtype, blocks, p.tokens_per_block)
     return LLMEngine(runner, SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block,

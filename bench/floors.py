@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,75 +22,35 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.store import floors
+
 GB = 1e9
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # first touch / warm caches and thread pools
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def memory_read_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth in GB/s: the best of `repeats` full sums over an nbytes float32 array."""
-    t = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
+    """Read bandwidth in GB/s: the best of `repeats` full sums over an nbytes float32 array
+    (runtime/store/floors.py, as the server measures it; numpy for reference)."""
     a = np.ones(nbytes // 4, dtype=np.float32)  # [n]
-    torch_s = _best_seconds(lambda: t.sum(), repeats)
-    numpy_s = _best_seconds(lambda: a.sum(), repeats)
-    return {"torch_sum": nbytes / torch_s / GB, "numpy_sum": nbytes / numpy_s / GB}
+    numpy_s = floors.best_seconds(lambda: a.sum(), repeats)
+    return {"torch_sum": floors.memory_read_gbps(nbytes, repeats), "numpy_sum": nbytes / numpy_s / GB}
 
 
 def memory_copy_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Host copy bandwidth in GB/s (bytes copied / time) into a pre-faulted destination."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.zeros_like(src)  # zeros_like writes every page: the destination is faulted in
-    torch_s = _best_seconds(lambda: dst.copy_(src), repeats)
-    a, b = src.numpy(), dst.numpy()
-    numpy_s = _best_seconds(lambda: np.copyto(b, a), repeats)
-    return {"torch_copy": nbytes / torch_s / GB, "numpy_copyto": nbytes / numpy_s / GB}
+    """Host copy bandwidth in GB/s (bytes copied / time) into a pre-faulted destination
+    (runtime/store/floors.py, as the server measures it; numpy for reference)."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    b = np.zeros_like(a)
+    numpy_s = floors.best_seconds(lambda: np.copyto(b, a), repeats)
+    return {"torch_copy": floors.host_copy_gbps(nbytes, repeats),
+            "numpy_copyto": nbytes / numpy_s / GB}
 
 
 def matmul_tflops(n: int = 2048, dtype: torch.dtype = torch.bfloat16, repeats: int = 3) -> float:
     """Dense matmul rate in TFLOP/s (2 n^3 per product)."""
     a = torch.randn(n, n).to(dtype)  # [n, n]
     b = torch.randn(n, n).to(dtype)  # [n, n]
-    s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    s = floors.best_seconds(lambda: torch.mm(a, b), repeats)
     return 2 * n**3 / s / 1e12
-
-
-def drop_page_cache() -> bool:
-    """Drop the page cache (needs root and a writable /proc/sys/vm); True when it worked."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def sequential_read(files: Sequence[Path], chunk: int = 16 << 20) -> dict[str, Any]:
-    """Read the files front to back into one reused (pre-faulted) buffer; GB/s and cold/warm."""
-    cold = drop_page_cache()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    total = 0
-    t = time.perf_counter()
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    seconds = time.perf_counter() - t
-    return {
-        "bytes": total,
-        "seconds": seconds,
-        "gbs": total / seconds / GB if seconds > 0 else float("nan"),
-        "page_cache": "dropped (cold)" if cold else "not dropped (warm: no permission)",
-    }
 
 
 @dataclass(frozen=True)
@@ -171,7 +129,7 @@ def measure_all(
         "fp32_matmul_tflops": matmul_tflops(1024 if quick else 2048, torch.float32, reps),
     }
     if files:
-        out["storage_read"] = sequential_read(files)
+        out["storage_read"] = floors.files_read(files)
     if model is not None:
         bw = max(out["memory_read_gbs"].values())
         # A bf16 model's products may run in float32 (weights widened on the fly, as our

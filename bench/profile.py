@@ -38,6 +38,7 @@ from runtime.models.attention import decode_attention
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.models.rope import apply_rope, inv_frequencies
 from runtime.store.files import EngineFiles
+from runtime.store.floors import best_seconds
 
 
 class Timers:
@@ -57,13 +58,7 @@ class Timers:
 
 
 def _best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_seconds(fn, repeats) * 1e3
 
 
 def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
@@ -219,7 +214,7 @@ def main() -> None:
     blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
     tp = TPContext(comm.rank, comm.size)
     runner, cfg = runner_from_engine(args.engine, m.backend, m.dtype, tp, blocks,
-                                     p.tokens_per_block, files=files)
+                                     p.tokens_per_block, p.max_num_tokens, files=files)
     transport = "gloo" if comm.size > 1 else "none"
     if comm.size > 1 and files.listed(KERNELS_LIB):
         slot = kernels.slot_bytes_for(p.max_num_tokens, cfg.hidden_size, cfg.vocab_size, m.tp)

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p = m.profile
     blocks = 2048 // p.tokens_per_block + 1
     runner, _ = runner_from_engine(a.engine, m.backend, m.dtype, TPContext(0, 1), blocks,
-                                   p.tokens_per_block, files=EngineFiles(a.engine, m))
+                                   p.tokens_per_block, p.max_num_tokens,
+                                   files=EngineFiles(a.engine, m))
     engine = LLMEngine(runner, SchedulerConfig(8, 256, p.tokens_per_block, blocks,
                                                min(512, p.max_seq_len), ()), Comm.from_mpi())
     rng = random.Random(a.seed)

@@ -28,6 +28,7 @@ from typing import Any
 
 from bench import common, floors, hf_baseline, phases, report, systems
 from bench.servers import ServerSpec, serve
+from runtime.store.floors import drop_page_cache
 
 FULL = phases.Workload()
 QUICK = phases.Workload(
@@ -105,7 +106,7 @@ def measure_system(
         systems.fresh_vllm_cache()
         entry["compile_cache"] = "empty at launch (compiles before ready)"
     if cold:
-        entry["page_cache_dropped"] = floors.drop_page_cache()
+        entry["page_cache_dropped"] = drop_page_cache()
     entry["loadavg_at_launch"] = common.loadavg()
     print(f"{spec.name}: launching", flush=True)
     with serve(spec, run.out / "logs") as running:
@@ -156,7 +157,7 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
     run.command(f"# in process: bench.hf_baseline --hf-dir {hf_dir} --dtypes bfloat16 "
                 f"--batches {' '.join(map(str, batches))} --new-tokens {wl.max_tokens}")  # fmt: skip
     cold = not args.warm_start
-    if cold and not floors.drop_page_cache():
+    if cold and not drop_page_cache():
         run.note("page cache cannot be dropped here: cold starts and storage reads are warm")
         cold = False
     for p in planned:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from contract.errors import BuildError
 from runtime.env import LAUNCH_TIME
@@ -21,6 +21,15 @@ GATE_NAMES = (
     "resolve", "compatible", "reserve", "load", "verify", "connect", "allocate", "kernels",
     "warmup", "admission",
 )
+# Gates 1-9 run on every rank (serve/startup.py); gate 10, admission, is rank 0's alone.
+STARTUP_GATES = GATE_NAMES[:-1]
+Evidence = dict[str, Any]
+# Evidence a gate body shares with rank 0 (see serve/startup.py Startup.gate): rank 0
+# records every rank's, by host.
+HOST_FACTS = "_host_facts"
+In = TypeVar("In")
+Out = TypeVar("Out")
+Next = TypeVar("Next")
 
 
 class GateFailure(Exception):
@@ -32,6 +41,37 @@ class GateFailure(Exception):
 def shutdown_requested(gate: str) -> GateFailure:
     """A stop signal arrived before admission: start-up ends at the next safe point."""
     return GateFailure(gate, "shutdown requested before admission", "nothing to do")
+
+
+@dataclass(frozen=True, slots=True)
+class GateStep(Generic[In, Out]):
+    """One start-up gate: its name, and its body, which takes what the gate before it
+    produced (and the evidence dict to fill in) and returns what the next gate needs."""
+
+    name: str
+    body: Callable[[In, Evidence], Out]
+
+    def __post_init__(self) -> None:
+        if self.name not in STARTUP_GATES:
+            raise ValueError(f"{self.name!r} is not a start-up gate (one of {STARTUP_GATES})")
+
+
+@dataclass(frozen=True, slots=True)
+class GateChain(Generic[Out]):
+    """The gates a backend runs after resolve, in order: each step's input is the previous
+    step's output, so a gate can only use what an earlier gate produced (the types say
+    which), and the list is the order. Built with `then`; run by serve/startup.py."""
+
+    steps: tuple[GateStep[Any, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.steps]
+        want = [n for n in STARTUP_GATES if n in names]
+        if names != want:
+            raise ValueError(f"gates out of order or repeated: {names}, expected {want}")
+
+    def then(self, name: str, body: Callable[[Out, Evidence], Next]) -> GateChain[Next]:
+        return GateChain((*self.steps, GateStep(name, body)))
 
 
 @dataclass(slots=True)

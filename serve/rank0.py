@@ -10,19 +10,23 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from contract.layout import GENERATION_CONFIG, TOKENIZER_FILES
-from serve.backends import Backend, EngineFault
+from runtime.store.files import EngineFiles
+from serve.backends import EngineFault, Serving
 from serve.cores import pin_compute_thread
-from serve.gates import GateFailure, GateLog
+from serve.gates import Evidence, GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap
+from serve.http_startup import HttpStartup, HttpStartupFailed
 from serve.launch import EXIT_DRAIN_CUT
-from serve.startup import Evidence, Startup, engine_summary, read_generation_eos
+from serve.lifecycle import Lifecycle
+from serve.stages import GateContext, Resolved, StopTokens
+from serve.startup import Startup, engine_summary, read_generation_eos
 
 if TYPE_CHECKING:
+    from runtime.core.types import Executor
     from runtime.dist.comm import Comm
     from runtime.tokenizer import FastTokenizer
     from serve.api import HttpServerHandle, ServerState
     from serve.launch import LaunchConfig
-    from serve.worker import Lifecycle
 
 log = logging.getLogger("serve")
 PEER_FAILED_GRACE_S = 2.0  # a dead peer: time for the engine loop to answer what is in flight
@@ -32,13 +36,11 @@ PEER_LOST_WAIT_S = 1.0  # an engine failure: how long a dead peer's hang-up may 
 class Rank0:
     def __init__(self, cfg: LaunchConfig, comm: Comm, life: Lifecycle,
                  threads: dict[str, object] | None = None) -> None:
-        from serve.worker import HttpStartup
-
         self.cfg, self.comm, self.life = cfg, comm, life
         self.threads = threads or {}
         self.log = GateLog()
-        self.st = Startup(cfg, comm, self.log, interrupted=life.drain.is_set)
-        self.backend: Backend | None = None
+        self.ctx = GateContext(cfg, comm, self.log, interrupted=life.drain.is_set)
+        self.st = Startup(self.ctx)
         self._tok_thread: threading.Thread | None = None
         self._tok: FastTokenizer | None = None
         self._tok_error = ""
@@ -59,12 +61,12 @@ class Rank0:
         return self._http.wait()[1]
 
     def report(self) -> dict[str, Any]:
-        m = self.st.manifest
+        m = self.st.resolved.manifest if self.st.resolved is not None else None
         return {
             # What --engine named (a tag, say) beside the engine id it resolved to.
             "engine": {**engine_summary(m), "resolved_from": self.cfg.engine} if m else None,
             "gates": self.log.to_list(),
-            "load": self.st.rank_loads or [self.log.evidence("load")],
+            "load": self.ctx.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
             "world_size": self.comm.size,
             "topology": self.comm.topology(),
@@ -77,24 +79,27 @@ class Rank0:
     def _tokenizer(self, ev: Evidence) -> None:
         """Gate 1 on rank 0: the tokenizer files, verified; the tokenizer itself loads on a
         thread of its own while the other gates run (it is needed only at admission)."""
-        files = self.st.files
-        assert files is not None
+        resolved = self._resolved()
+        files = resolved.files
         # Only the tokenizer files the manifest lists, from their verified copies.
         files.get_listed((*TOKENIZER_FILES, GENERATION_CONFIG))
-        self._tok_thread = threading.Thread(target=self._load_tokenizer, name="tokenizer",
-                                            daemon=True)
+        self._tok_thread = threading.Thread(target=self._load_tokenizer, args=(files,),
+                                            name="tokenizer", daemon=True)
         self._tok_thread.start()
         ev["tokenizer"] = "loading beside the other gates"
-        m = self.st.manifest
-        if m is not None and m.backend == "trtllm":  # its kernels gate needs the eos ids
+        if resolved.manifest.backend == "trtllm":  # its kernels gate needs the eos ids
             self._tokenizer_ready(ev)
 
-    def _load_tokenizer(self) -> None:
+    def _resolved(self) -> Resolved:
+        """What gate 1 resolved (its rank-0 work runs once it has)."""
+        if self.st.resolved is None:
+            raise RuntimeError("gate 1 (resolve) has not resolved the engine yet")
+        return self.st.resolved
+
+    def _load_tokenizer(self, files: EngineFiles) -> None:
         from runtime.tokenizer import FastTokenizer
 
         t0 = time.perf_counter()
-        files = self.st.files
-        assert files is not None
         try:
             tok = FastTokenizer(files.dir)
             if self.cfg.chat_template is not None:  # --chat-template replaces the engine's
@@ -122,18 +127,23 @@ class Rank0:
         if self._tok is None:
             raise GateFailure("resolve", f"the engine has no usable tokenizer ({self._tok_error})",
                               "rebuild from a checkpoint that includes its tokenizer files")
-        m, model, files = self.st.manifest, self.st.model, self.st.files
-        assert m is not None and model is not None and files is not None
+        resolved, backend = self._resolved(), self.st.backend
+        if backend is None:
+            raise RuntimeError("gate 1 (resolve) has not built the backend yet")
+        m, model, files = resolved.manifest, backend.model, resolved.files
         tok = self._tok
         self.state.tokenizer = tok
         self.state.model_name = m.model_name
         self.state.max_seq_len = m.profile.max_seq_len
         self.state.stop_token_ids = read_generation_eos(files.dir)
         self.state.vocab_size = model.vocab_size
+        # The one place the ids that end a sequence are decided: generation_config.json's,
+        # the tokenizer's and the model config's. The HTTP layer (each request's stop ids),
+        # the scheduler and TensorRT-LLM's Executor all take this set as it is.
         eos = tuple(dict.fromkeys((*self.state.eos_token_ids(), *model.eos_token_ids)))
         pad = tok.pad_token_id
-        self.st.eos_token_ids = eos
-        self.st.pad_id = int(pad) if isinstance(pad, int) else (eos or (0,))[0]
+        self.ctx.stop = StopTokens(eos, int(pad) if isinstance(pad, int) else (eos or (0,))[0])
+        self.state.stop_token_ids = eos
         found = {"tokenizer": type(tok).__name__, "tokenizer_s": round(self._tok_s, 3),
                  "tokenizer_vocab": len(tok)}
         if ev is not None:  # still inside gate 1
@@ -141,16 +151,16 @@ class Rank0:
         else:
             self.log.amend("resolve", **found)
 
-    def startup(self) -> Backend:
+    def startup(self) -> tuple[Serving, Executor]:
         self.st.run(on_resolved=self._tokenizer, until="kernels")
         # Liveness before the warmup: the HTTP layer came up on its thread while the gates
         # ran (it is needed for admission anyway), so a probe or a stop signal always finds
         # the job still starting, never past a warmup that raced it.
         _ = self.http
-        backend = self.st.run_gate("warmup")
+        serving = self.st.serve()
         self._tokenizer_ready()
         with self.log.run("admission") as ev:
-            executor = backend.open(ev)
+            executor = serving.open(ev)
             ev.update(freeze_heap())
             self.comm.allgather("admitted")
             # From now on a failed peer fails the requests in flight, and a rank > 0 whose
@@ -162,7 +172,7 @@ class Rank0:
         # Ready only once the gate is closed, so /health/ready never precedes the record.
         self.state.open_admission(executor)
         self.life.serving.set()
-        return backend
+        return serving, executor
 
     def _peer_failed(self, why: str) -> None:
         executor = self.state.executor
@@ -180,15 +190,13 @@ class Rank0:
         self.life.exit_now(1)
 
     def run(self) -> int:
-        from serve.worker import HttpStartupFailed
-
         # This thread loads, warms up and runs the steps; the threads it starts from here
         # (OpenMP's) share its cores, the HTTP thread (already started) runs anywhere.
         pinned = pin_compute_thread(self.comm.local_rank, self.comm.local_size)
         if pinned is not None:
             self.threads["step_thread_cores"] = pinned
         try:
-            self.backend = backend = self.startup()
+            serving, executor = self.startup()
         except GateFailure as e:
             self.life.error(str(e))
             log.info("cold start so far:\n%s", self.log.table())
@@ -200,8 +208,8 @@ class Rank0:
             self.life.error(f"{e} — choose another --port or stop the other server")
             return 2
         log.info("admission open; cold start:\n%s", self.log.table())
-        cut = self._serve(backend)
-        backend.finalize()
+        cut = self._serve(serving, executor)
+        serving.finalize()
         return EXIT_DRAIN_CUT if cut else 0
 
     def _fail(self, why: str) -> None:
@@ -218,10 +226,8 @@ class Rank0:
         self.http.stop(timeout=2)
         self.life.exit_now(1)
 
-    def _serve(self, backend: Backend) -> int:
+    def _serve(self, serving: Serving, executor: Executor) -> int:
         """Serve until drained; returns how many requests the drain deadline cut off."""
-        executor = self.state.executor
-        assert executor is not None
         deadline: float | None = None
         while True:
             if self.life.drain.is_set():
@@ -234,10 +240,10 @@ class Rank0:
                 if idle or time.monotonic() >= deadline:
                     break
             try:
-                backend.poll(0.02 if deadline else 0.1)
+                serving.poll(0.02 if deadline else 0.1)
             except EngineFault as e:
                 self._fail(str(e))
-        left = backend.close()
+        left = serving.close()
         # Let the HTTP layer send the last responses before closing it.
         t_end = time.monotonic() + 2
         while self.state.in_flight() and time.monotonic() < t_end:

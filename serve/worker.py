@@ -7,94 +7,28 @@ admission and runs the engine loop on the main thread; other ranks execute plans
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from runtime.dist.bootstrap import Bootstrap, Listeners
 from runtime.dist.comm import Comm
-from runtime.env import BOOT_SOCK, PARENT_FD
+from runtime.env import BOOT_SOCK
 from runtime.store.files import close_all
 from serve.cores import pin_compute_thread
 from serve.gates import GateFailure, GateLog
 from serve.gcpolicy import PAUSES, freeze_heap, hold_collector
 from serve.launch import LaunchConfig, parse
+from serve.lifecycle import RUN_LOG, Lifecycle, write_run_file
+from serve.stages import GateContext
 from serve.supervisor import receive_bootstrap
 from serve.threads import thread_plan
 
 log = logging.getLogger("serve")
-RUN_LOG = "serve.run_log"  # writes to rank{N}.log only (errors already printed on stderr)
-
-
-class Lifecycle:
-    """Signals, supervisor death and peer failures, seen from the worker."""
-
-    def __init__(self, run_dir: Path | None = None, rank: int = 0) -> None:
-        self.run_dir, self.rank = run_dir, rank
-        self.drain = threading.Event()  # SIGTERM/SIGINT/SIGHUP arrived (or rank 0 was asked)
-        self.serving = threading.Event()  # admission opened: from now on a drain has work
-        # What a failed peer connection does; rank 0 replaces it once it serves.
-        self.on_peer_failure: Callable[[str], None] = self._peer_failed_starting
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda *_: self.drain.set())
-        fd = PARENT_FD.raw()
-        if fd is not None:
-            threading.Thread(target=self._watch_parent, args=(int(fd),), daemon=True).start()
-
-    def _watch_parent(self, fd: int) -> None:
-        while os.read(fd, 1):
-            pass
-        # The launcher kills the supervisor right after forwarding a signal (a drain);
-        # a supervisor that dies with no signal first means the job is failing.
-        time.sleep(0.2)
-        if not self.drain.is_set():
-            self.error(f"rank {self.rank}: the rank's supervisor died without a shutdown "
-                       "signal; exiting")
-            self.exit_now(1)
-        if not self.serving.is_set():
-            # Before admission there is nothing to drain: mpirun is ending the job (a rank
-            # died, or mpirun itself was signalled). Finishing the gate at hand first (a
-            # load reads the whole shard) would keep this rank alive for nothing.
-            self.error(f"rank {self.rank}: its supervisor is gone during start-up (mpirun "
-                       "is ending the job); exiting")
-            self.exit_now(1)
-
-    def peer_failed(self, why: str) -> None:
-        """From the peer watch (runtime/dist/comm.py): a peer died or its host stopped answering."""
-        self.on_peer_failure(why)
-
-    def _peer_failed_starting(self, why: str) -> None:
-        self.error(f"rank {self.rank}: {why}; the job cannot go on without it, exiting")
-        self.exit_now(1)
-
-    def drain_requested(self, peer: int) -> None:
-        if not self.drain.is_set():
-            log.info("rank %d asked for a drain (its host is stopping)", peer)
-            self.drain.set()
-
-    def error(self, message: str) -> None:
-        """An error line on stderr, kept in rank{N}.log too: when mpirun ends the job first,
-        the worker's stderr (a pipe to mpirun) is gone and only the log file remains."""
-        with contextlib.suppress(OSError):  # a pipe to an mpirun that is gone
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        logging.getLogger(RUN_LOG).error("%s", message)
-
-    def exit_now(self, code: int) -> None:
-        """Leave at once, from any thread (the job is failing); rank{N}.exit records it."""
-        close_all()
-        _write_run_file(self.run_dir, self.rank, "exit", code)
-        with contextlib.suppress(OSError):
-            sys.stderr.flush()
-        os._exit(code)
 
 
 def _setup_logging(level: str, rank: int, run_dir: Path | None) -> None:
@@ -138,53 +72,6 @@ def _check_port(host: str, port: int) -> str | None:
     return None
 
 
-class HttpStartupFailed(RuntimeError):
-    """The HTTP layer did not come up (the port was taken meanwhile, an import failed)."""
-
-
-class HttpStartup:
-    """Rank 0's HTTP layer, imported and started on a thread of its own while the gates
-    run (its imports cost about a second of CPU): liveness answers once it is up,
-    readiness after admission. `wait()` returns (state, server) or raises."""
-
-    def __init__(self, cfg: LaunchConfig, on_state: Callable[[Any], None]) -> None:
-        self.cfg, self.on_state = cfg, on_state
-        self.state: Any = None
-        self.http: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="http-startup", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        cfg = self.cfg
-        try:
-            from runtime.core.grammar import GrammarConfig
-            from serve.api import ServerState, start_http_server
-
-            grammar = GrammarConfig(compile_timeout_s=cfg.grammar_compile_timeout,
-                                    compile_workers=cfg.grammar_compile_workers,
-                                    cache_bytes=cfg.grammar_cache_mib << 20)
-            state = ServerState(model_name="(starting)", tokenizer=None, max_seq_len=2,
-                                max_queue=cfg.max_queue, max_body_bytes=cfg.max_body_bytes,
-                                api_key=cfg.api_key, max_connections=cfg.max_connections,
-                                header_timeout=cfg.header_timeout, grammar=grammar,
-                                reasoning_parser=cfg.reasoning_parser,
-                                tool_parser=cfg.tool_parser)
-            self.on_state(state)
-            self.http = start_http_server(state, cfg.host, cfg.port)
-            self.state = state
-            log.info("HTTP listening on http://%s:%d (liveness now, readiness after the gates)",
-                     cfg.host, self.http.port)
-        except BaseException as e:
-            self.error = e
-
-    def wait(self) -> tuple[Any, Any]:
-        self.thread.join()
-        if self.error is not None:
-            raise HttpStartupFailed(str(self.error)) from self.error
-        return self.state, self.http
-
-
 def serve_rank0(cfg: LaunchConfig, comm: Comm, life: Lifecycle, threads: dict[str, object]
                 ) -> int:
     from serve.rank0 import Rank0
@@ -201,9 +88,9 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
     from serve.startup import Startup
 
     pin_compute_thread(comm.local_rank, comm.local_size)  # as rank 0 does (serve/cores.py)
-    st = Startup(cfg, comm, GateLog(), interrupted=life.drain.is_set)
+    st = Startup(GateContext(cfg, comm, GateLog(), interrupted=life.drain.is_set))
     try:
-        backend = st.run()
+        serving = st.serve()
         freeze_heap()  # as rank 0 does in its admission gate
         comm.allgather("admitted")
         life.serving.set()
@@ -216,9 +103,9 @@ def serve_follower(cfg: LaunchConfig, comm: Comm, life: Lifecycle) -> int:
         comm.peer_watch.request_drain()
 
     threading.Thread(target=forward_drain, name="drain-forward", daemon=True).start()
-    rc = backend.follow(life.exit_now)
+    rc = serving.follow(life.exit_now)
     if rc == 0:
-        backend.finalize()
+        serving.finalize()
     return rc
 
 
@@ -243,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle(cfg.run_dir, rank)
     PAUSES.install()
     hold_collector()
-    _write_run_file(cfg.run_dir, rank, "pid", os.getpid())
+    write_run_file(cfg.run_dir, rank, "pid", os.getpid())
     rc = 1
     try:
         comm = Comm(boot, listeners)
@@ -255,20 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         life.error(f"rank {rank}: lost the other ranks ({e})")
     finally:
         close_all()
-        _write_run_file(cfg.run_dir, rank, "exit", rc)
+        write_run_file(cfg.run_dir, rank, "exit", rc)
     return rc
-
-
-def _write_run_file(run_dir: Path | None, rank: int, kind: str, value: int) -> None:
-    if run_dir is None:
-        return
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / f".rank{rank}.{kind}"
-        tmp.write_text(f"{value}\n")
-        tmp.rename(run_dir / f"rank{rank}.{kind}")
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from runtime.core.kv_cache import BlockManager, hash_block
+from runtime.core.limits import output_budget, stop_ids
 from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.core.sequence import SeqStatus, Sequence
@@ -120,12 +121,9 @@ class Scheduler:
         n_prompt = seq.num_prompt_tokens
         if n_prompt == 0:
             raise ValueError("the prompt must contain at least one token")
+        # The context-length limit is runtime/core/limits.py's (the HTTP layer applies it first).
+        output_budget(n_prompt, seq.params.max_tokens, seq.params.min_tokens, cfg.max_seq_len)
         total = n_prompt + seq.params.max_tokens
-        if total > cfg.max_seq_len:
-            raise ValueError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
-                f"exceeds the engine's max_seq_len ({cfg.max_seq_len})"
-            )
         # The last sampled token is never computed, so the KV cache holds at most total - 1.
         need = self.block_manager.blocks_needed(total - 1)
         if need > self.block_manager.num_usable:
@@ -145,10 +143,8 @@ class Scheduler:
         seq.fork_rows = 1
         seq.want_prompt_logits = seq.params.prompt_logprobs is not None and n_prompt > 1
         self._next_arrival += 1
-        stop = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stop.update(cfg.eos_token_ids)
-        self._stop_ids[seq.seq_id] = frozenset(stop)
+        self._stop_ids[seq.seq_id] = frozenset(
+            stop_ids(cfg.eos_token_ids, seq.params.stop_token_ids, seq.params.ignore_eos))
         self._seqs[seq.seq_id] = seq
         insort(self._waiting, seq, key=schedule_order)
 

@@ -250,7 +250,8 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
     tp = TPContext(comm.rank, comm.size)
     blocks = (max(64 + GOLDEN_STEPS, FIDELITY_MAX_TOKENS)) // block_size + 2
     # The build's own fresh output: no manifest yet (it records what this run computes).
-    runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size)
+    runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size,
+                                     max_tokens or None)
     if comm.rank != 0:
         worker_loop(runner, comm)
         return None

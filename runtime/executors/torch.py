@@ -32,7 +32,11 @@ from runtime.store.checkpoint import (
     read_model_config,
 )
 from runtime.store.files import EngineFiles
-from runtime.store.loader import load_shard
+from runtime.store.loader import LoadedShard, load_shard
+
+# Steps' token counts are padded to multiples of it (runtime/executors/runner.py): every distinct
+# count is a new matrix shape, and oneDNN keeps a primitive per shape.
+TOKEN_BUCKET = 16
 
 
 def make_step_fn(
@@ -98,11 +102,30 @@ def runner_from_checkpoint(
     return ModelRunner(step_fn, kv, block_size), cfg
 
 
+def engine_runner(
+    backend: str, cfg: ModelConfig, tp: TPContext, dtype: str, shard: LoadedShard,
+    package_dir: Path, kv: torch.Tensor, block_size: int, max_num_tokens: int | None,
+    device: str = "cpu", quant: Quantization = NONE,
+) -> ModelRunner:
+    """The one builder of a runner over a built engine's rank: the serve gates (kernels),
+    the build's golden run and the benches all run this, so the golden check runs what the
+    server runs. `package_dir` holds the compiled package (the verified copies, when there
+    is a manifest); `max_num_tokens` (the profile's, the compiled step's bound) caps the
+    padding of a step's token count to TOKEN_BUCKET (None: no padding)."""
+    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, package_dir, device, quant)
+    runner = ModelRunner(step_fn, kv, block_size,
+                         token_bucket=TOKEN_BUCKET if max_num_tokens else 1,
+                         max_tokens=max_num_tokens)
+    runner.keepalive = shard  # the step function's weights are views of its buffers
+    return runner
+
+
 def runner_from_engine(
     engine_dir: Path, backend: str, dtype: str, tp: TPContext, num_blocks: int, block_size: int,
-    device: str = "cpu", files: EngineFiles | None = None,
+    max_num_tokens: int | None, device: str = "cpu", files: EngineFiles | None = None,
 ) -> tuple[ModelRunner, ModelConfig]:
-    """A runner over a built engine's rank shard (read and hashed by the loader).
+    """A runner over a built engine's rank shard (read and hashed by the loader), built as
+    the server builds it (engine_runner); `max_num_tokens` is the engine profile's.
 
     With `files` (the engine's manifest, runtime/store/files.py) every file is checked
     before it is used and the package is loaded from its verified copy; without, only the
@@ -121,10 +144,9 @@ def runner_from_engine(
                 files.get(name)
             src = files.dir
             files.get_listed((KERNELS_LIB,))
-    step_fn = make_step_fn(backend, cfg, tp, dtype, shard.weights, src, device, quant)
     kv = allocate_kv_cache(cfg, tp.size, num_blocks, block_size, dtype, device)
-    runner = ModelRunner(step_fn, kv, block_size)
-    runner.keepalive = shard
+    runner = engine_runner(backend, cfg, tp, dtype, shard, src, kv, block_size, max_num_tokens,
+                           device, quant)
     return runner, cfg
 
 

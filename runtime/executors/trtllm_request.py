@@ -12,6 +12,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
+from runtime.core.limits import stop_ids
 from runtime.core.types import GuidedSpec, SamplingParams, TokenLogprob, UnsupportedParameter
 
 SEED_BITS = 63  # SamplingConfig.seed is a uint64; below 2**63 it fits a signed one too
@@ -23,7 +24,7 @@ def other_stop_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> li
     alone (penaltyKernels.cu: `outLogitsPtr[endIds[batchSlot]] = MASK_VAL`), so these, sent as
     stop words, could end a request before min_tokens (Llama 3's <|eot_id|>)."""
     eos = () if params.ignore_eos else eos_token_ids
-    stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+    stops = stop_ids(eos_token_ids, params.stop_token_ids, params.ignore_eos)
     return [t for t in stops if not eos or t != eos[0]]
 
 
@@ -62,7 +63,7 @@ def make_request(tx: ModuleType, prompt: list[int], params: SamplingParams,
     dispatched by sequence_index)."""
     refuse_unmapped(params, guided_unavailable)
     eos = () if params.ignore_eos else eos_token_ids
-    stops = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+    stops = list(stop_ids(eos_token_ids, params.stop_token_ids, params.ignore_eos))
     # end_id ends generation and is not output; other stop ids become one-token stop
     # words (output, as our torch executor outputs its stop token; the HTTP layer hides
     # eos ids from the text either way).

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from runtime.core.limits import LimitError, output_budget, stop_ids
 from runtime.core.types import SamplingParams
 from serve.api.protocol import ApiError, GenerationRequest
 
@@ -79,20 +80,12 @@ def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: 
     max_tokens 0 (completions with echo: the prompt's log-probabilities only) runs one
     step, whose token the HTTP layer drops. `vocab` bounds logit_bias and stop_token_ids
     (the tokenizer's and model's smaller vocabulary, see `model_vocab`)."""
-    if prompt_len >= max_seq_len:
-        raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's maximum "
-                       f"context length is {max_seq_len} tokens (prompt plus output)",
-                       param="messages" if req.kind == "chat" else "prompt",
-                       code="context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else max_seq_len - prompt_len
-    if prompt_len + max_tokens > max_seq_len:
-        raise ApiError(400, f"prompt tokens ({prompt_len}) + max_tokens ({max_tokens}) = "
-                       f"{prompt_len + max_tokens} exceeds the maximum context length of "
-                       f"{max_seq_len} tokens", param="max_tokens",
-                       code="context_length_exceeded")
-    if req.min_tokens > max(max_tokens, 0):
-        raise ApiError(400, f"'min_tokens' ({req.min_tokens}) exceeds max_tokens "
-                       f"({max_tokens})", param="min_tokens", code="invalid_value")
+    # The limits themselves are runtime/core/limits.py's, which the scheduler applies too.
+    try:
+        max_tokens = output_budget(prompt_len, req.max_tokens, req.min_tokens, max_seq_len,
+                                   "messages" if req.kind == "chat" else "prompt")
+    except LimitError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
     if vocab is not None:
         for name, ids in (("logit_bias", [t for t, _ in req.logit_bias]),
                           ("stop_token_ids", req.stop_token_ids)):
@@ -100,16 +93,15 @@ def build_sampling_params(req: GenerationRequest, prompt_len: int, max_seq_len: 
             if bad is not None:
                 raise ApiError(400, f"'{name}' names token id {bad}; the model's vocabulary "
                                f"has {vocab} tokens", param=name, code="invalid_value")
-    # With ignore_eos the eos ids are not passed at all, so the request runs to max_tokens
-    # whichever way an executor reads the flag (the benchmark relies on exact lengths).
-    eos = () if req.ignore_eos else tuple(eos_token_ids)
-    stop_ids = tuple(dict.fromkeys((*eos, *req.stop_token_ids)))
+    # The engine's eos ids (decided once, serve/rank0.py) and the request's own; with
+    # ignore_eos, none of the eos ids (the benchmark relies on exact lengths).
+    request_stop_ids = stop_ids(eos_token_ids, req.stop_token_ids, req.ignore_eos)
     # A temperature this small overflows logits / T; it means greedy anyway (as in vLLM).
     temperature = 0.0 if req.temperature < GREEDY_EPS else req.temperature
     echo_logprobs = req.echo and req.logprobs is not None
     return SamplingParams(
         max_tokens=max(max_tokens, 1), temperature=temperature, top_p=req.top_p,
-        top_k=req.top_k, seed=req.seed, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        top_k=req.top_k, seed=req.seed, stop_token_ids=request_stop_ids, ignore_eos=req.ignore_eos,
         logit_bias=req.logit_bias, min_tokens=req.min_tokens,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, n=req.n, best_of=req.best_of,

@@ -6,7 +6,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,57 +19,72 @@ from runtime.env import INJECT_FAULT_AT_STEP
 from runtime.executors.golden import check_golden, run_golden, run_golden_forced
 from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.runner import ModelRunner
-from runtime.executors.torch import allocate_kv_cache, make_step_fn, package_files
+from runtime.executors.torch import allocate_kv_cache, engine_runner, package_files
 from runtime.host import host_matches
-from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.quant import runs_here
+from runtime.store import floors
 from runtime.store.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.store.loader import LoadedShard
 from runtime.store.source import StoreSource
-from serve import floors
-from serve.backends.base import Backend, EngineFault
-from serve.gates import GateFailure, shutdown_requested
+from serve.backends.base import Backend, EngineFault, Serving
+from serve.gates import HOST_FACTS, Evidence, GateChain, GateFailure, shutdown_requested
 from serve.launch import CPU_KV_FRACTION, CPU_PREFILL_WHILE_DECODING, GPU_KV_FRACTION
-from serve.startup import HOST_FACTS
+from serve.stages import GateContext, Resolved
 from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
-
-if TYPE_CHECKING:
-    from serve.startup import Evidence
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
-TOKEN_BUCKET = 16  # steps' token counts are padded to multiples of it (runtime/executors/runner.py)
 # Fault injection for fault tests and soak runs: the engine loop raises at this step.
 FAULT_ENV = INJECT_FAULT_AT_STEP.name
 
 
+@dataclass(frozen=True, slots=True)
+class KvCache:
+    """The allocate gate's result: the rank's shard (from load) and its KV cache."""
+
+    shard: LoadedShard
+    kv: torch.Tensor
+    num_blocks: int  # the null block included
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"a KV cache needs the null block and one more, got {self.num_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """The kernels gate's result: the runner over the shard's weights and the KV cache."""
+
+    runner: ModelRunner
+    num_blocks: int
+
+
 class TorchBackend(Backend):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.device = "cpu"
-        self.shard: LoadedShard | None = None
-        self.kv: torch.Tensor | None = None
-        self.num_blocks = 0
-        self.runner: ModelRunner | None = None
-        self.engine: LLMEngine | None = None
-
-    @property
-    def model(self) -> ModelConfig:
-        assert self.st.model is not None
-        return self.st.model
-
-    # ---- 1 resolve, 2 compatible, 3 reserve -------------------------------------------
-
-    def resolve(self, ev: Evidence) -> None:
+    def __init__(self, ctx: GateContext, resolved: Resolved, ev: Evidence) -> None:
+        super().__init__(ctx, resolved)
+        self.device = "cpu"  # compatible picks the GPU of a CUDA engine
         src = self.files.get(ENGINE_CONFIG).parent
-        self.st.model = load_engine_model_config(src)
+        self.model = load_engine_model_config(src)
         if load_engine_quant(src) != self.manifest.quant:
             raise GateFailure("resolve", f"{ENGINE_CONFIG} and the manifest disagree on the "
                               "engine's quantization", REBUILD)
 
-    def compatible(self, ev: Evidence) -> None:
+    def gates(self) -> GateChain[Serving]:
+        chain: GateChain[None] = GateChain()
+        return (chain.then("compatible", self.compatible)
+                .then("reserve", self.reserve)
+                .then("load", self.load)
+                .then("verify", self.verify_shard)
+                .then("connect", self.connect_shard)
+                .then("allocate", self.allocate)
+                .then("kernels", self.kernels)
+                .then("warmup", self.warmup))
+
+    # ---- 2 compatible, 3 reserve ------------------------------------------------------
+
+    def compatible(self, _: None, ev: Evidence) -> None:
         m = self.manifest
         self.check_world()
         ok, why = host_matches(m.target.to_dict())
@@ -106,7 +122,7 @@ class TorchBackend(Backend):
         m = self.manifest
         return kv_bytes_per_block(self.model, m.tp, m.profile.tokens_per_block, torch_dtype(m.dtype))
 
-    def reserve(self, ev: Evidence) -> None:
+    def reserve(self, _: None, ev: Evidence) -> None:
         m = self.manifest
         weights = sum(f.size for f in m.rank_files(self.rank))
         kv_min = self._min_kv_blocks() * self._block_bytes()
@@ -123,16 +139,15 @@ class TorchBackend(Backend):
 
     # ---- 4 load, 5 verify (base), 6 connect -------------------------------------------
 
-    def load(self, ev: Evidence) -> None:
+    def load(self, _: None, ev: Evidence) -> LoadedShard:
         name = rank_shard(self.rank)
         entry = self.files.require(name)
         try:
             fl = self._floors(name, entry.size)
-            self.shard, how = self.source.load_shard(name, self.device)
+            shard, how = self.source.load_shard(name, self.device)
         except OSError as e:  # the engine directory changed under us (removed, unmounted)
             raise GateFailure("load", f"cannot read {name} ({e.strerror or e})",
                               f"restore or rebuild the engine in {self.source.where}") from None
-        shard = self.shard
         self.loaded = {name: shard.sha256}
         floor_key = "store_read_gbps" if how["from"] == "store" else "storage_read_gbps"
         floor = fl.get(floor_key) or 0.0
@@ -141,6 +156,7 @@ class TorchBackend(Backend):
                   vs_floor=round(shard.read_gbps / floor, 3) if floor else None,
                   floor=floor_key,
                   vs_host_copy_floor=round(shard.read_gbps / fl["host_copy_gbps"], 3))
+        return shard
 
     def _floors(self, name: str, size: int) -> dict[str, Any]:
         """The floors the load is measured against: the storage it reads (a local file, or
@@ -162,10 +178,10 @@ class TorchBackend(Backend):
             fl["h2d_gbps"] = round(floors.h2d_gbps(self.device), 3)
         return fl
 
-    def verify(self, ev: Evidence) -> None:
-        super().verify(ev)
-        assert self.shard is not None
-        self.source.keep(rank_shard(self.rank), self.shard)  # verified: may be cached
+    def verify_shard(self, shard: LoadedShard, ev: Evidence) -> LoadedShard:
+        self.verify(shard, ev)
+        self.source.keep(rank_shard(self.rank), shard)  # verified: may be cached
+        return shard
 
     def small_files(self) -> tuple[str, ...]:
         if self.manifest.backend == "aoti":  # native code: loaded from the verified copy
@@ -173,10 +189,11 @@ class TorchBackend(Backend):
             return (*package_files(self.files.entries, self.rank), *listed)
         return ()
 
-    def connect(self, ev: Evidence) -> None:
-        super().connect(ev)  # an all-gather: every rank has verified (and cached) its files
+    def connect_shard(self, shard: LoadedShard, ev: Evidence) -> LoadedShard:
+        self.connect(shard, ev)  # an all-gather: every rank has verified (and cached) its files
         if self.rank == 0:
             ev.update(self.source.finish())
+        return shard
 
     def init_collectives(self) -> str:
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
@@ -193,7 +210,7 @@ class TorchBackend(Backend):
 
     # ---- 7 allocate, 8 kernels, 9 warmup ------------------------------------------------
 
-    def allocate(self, ev: Evidence) -> None:
+    def allocate(self, shard: LoadedShard, ev: Evidence) -> KvCache:
         m, p = self.manifest, self.manifest.profile
         per_block = self._block_bytes()
         useful = math.ceil(p.max_batch_size * p.max_seq_len / p.tokens_per_block) + 1
@@ -216,51 +233,49 @@ class TorchBackend(Backend):
                 f"{need - 1} blocks ({need * per_block / 2**20:.1f} MiB)",
                 "raise --kv-cache-fraction or --kv-cache-tokens, or free memory",
             )
-        self.num_blocks = blocks
-        self.kv = allocate_kv_cache(self.model, m.tp, blocks, p.tokens_per_block, m.dtype, self.device)
+        kv = allocate_kv_cache(self.model, m.tp, blocks, p.tokens_per_block, m.dtype, self.device)
         ev.update(blocks=blocks - 1, tokens=(blocks - 1) * p.tokens_per_block,
                   bytes=blocks * per_block, sized_by=source)
+        return KvCache(shard, kv, blocks)
 
-    def kernels(self, ev: Evidence) -> None:
-        m, shard = self.manifest, self.shard
-        assert shard is not None and self.kv is not None
+    def kernels(self, cache: KvCache, ev: Evidence) -> Built:
+        m = self.manifest
         tp = TPContext(self.rank, self.comm.size)
         # The package is the copy verified in gate 5, never the engine directory's file.
-        step_fn = make_step_fn(m.backend, self.model, tp, m.dtype, shard.weights, self.files.dir,
+        runner = engine_runner(m.backend, self.model, tp, m.dtype, cache.shard, self.files.dir,
+                               cache.kv, m.profile.tokens_per_block, m.profile.max_num_tokens,
                                self.device, m.quant)
-        self.runner = ModelRunner(step_fn, self.kv, m.profile.tokens_per_block,
-                                  token_bucket=TOKEN_BUCKET, max_tokens=m.profile.max_num_tokens)
-        self.runner.keepalive = shard
         names = package_files(self.files.entries, self.rank) if m.backend == "aoti" else []
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
                   package=(rank_package_dir(self.rank) if len(names) > 1 or
                            names[:1] != [rank_package(self.rank)] else rank_package(self.rank))
                   if names else None,
                   package_bytes=sum(self.files.entries[n].size for n in names))
+        return Built(runner, cache.num_blocks)
 
-    def warmup(self, ev: Evidence) -> None:
+    def warmup(self, built: Built, ev: Evidence) -> TorchServing:
         """Rank 0 drives; the golden record is checked in two steps (a teacher-forced
         prefill, then one decode step at the profile's largest batch), so the decode path,
         the prefill path and the largest decode batch are all exercised once. On a CPU
         that is the whole warmup: a compiled step has no per-shape state to build (no JIT,
         no graph capture; measured, the first run of a shape takes as long as the next).
         On a GPU (or with --warmup full) the profile's shapes run first, largest first."""
-        m, runner = self.manifest, self.runner
-        assert runner is not None
+        m, runner = self.manifest, built.runner
+        serving = TorchServing(self, built)
         if self.rank != 0:
             follow(runner, self.comm)
             ev["driven_by"] = "rank 0"
-            return
+            return serving
         send, p = self.comm.send_plan, m.profile
         sweep = self.cfg.warmup == "full" or (self.cfg.warmup == "auto" and
                                                self.device.startswith("cuda"))
         try:
             if sweep:
                 t0 = time.perf_counter()
-                ev["shapes"] = warmup_shapes(runner, p, self.num_blocks, send,
-                                             self.st.interrupted)
+                ev["shapes"] = warmup_shapes(runner, p, built.num_blocks, send,
+                                             self.ctx.interrupted)
                 ev["shapes_s"] = round(time.perf_counter() - t0, 3)
-            if self.st.interrupted():
+            if self.ctx.interrupted():
                 raise Interrupted
         except Interrupted:
             send(StepPlan(PHASE_DONE))  # the other ranks stop following, then hear why
@@ -290,32 +305,43 @@ class TorchBackend(Backend):
                 "warmup", f"the golden prompt no longer gives the built engine's logits ({evidence})",
                 f"{self.source.verify_hint}, and rebuild the engine",
             )
+        return serving
 
-    # ---- serving -----------------------------------------------------------------------
+
+
+class TorchServing(Serving):
+    """The runner the gates built, and, from admission on, rank 0's engine loop over it."""
+
+    def __init__(self, backend: TorchBackend, built: Built) -> None:
+        self.ctx, self.manifest, self.device = backend.ctx, backend.manifest, backend.device
+        self.runner, self.num_blocks = built.runner, built.num_blocks
+        self._engine: LLMEngine | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("the engine loop starts at admission (open)")
+        return self._engine
 
     def open(self, ev: Evidence) -> LLMEngine:
-        m, runner = self.manifest, self.runner
-        assert runner is not None
-        p = m.profile
-        eos = tuple(dict.fromkeys((*self.st.eos_token_ids, *self.model.eos_token_ids)))
+        p, cfg = self.manifest.profile, self.ctx.cfg
         # A compiled step function returns at most max_num_tokens logits rows (the bound
         # pipeline/compile/aoti.py exports it with), which is the scheduler's default.
-        cap = self.cfg.max_prefill_tokens_while_decoding
+        cap = cfg.max_prefill_tokens_while_decoding
         if cap is None:
             cap = 0 if self.device.startswith("cuda") else CPU_PREFILL_WHILE_DECODING
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
-            max_seq_len=p.max_seq_len, eos_token_ids=eos, enable_prefix_caching=True,
-            max_prefill_tokens_while_decoding=cap or None,
+            max_seq_len=p.max_seq_len, eos_token_ids=self.ctx.stop.eos_token_ids,
+            enable_prefix_caching=True, max_prefill_tokens_while_decoding=cap or None,
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
-        self.engine = LLMEngine(runner, sc, self.comm)
-        return self.engine
+        self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
+        return self._engine
 
     def poll(self, timeout: float) -> None:
         engine = self.engine
-        assert engine is not None
         try:
             fault_at = INJECT_FAULT_AT_STEP.raw()
             if fault_at is not None and engine.stats().steps_total >= int(fault_at):
@@ -330,16 +356,14 @@ class TorchBackend(Backend):
             engine.wait_for_work(timeout)
 
     def close(self) -> int:
-        assert self.engine is not None
         left = self.engine.num_unfinished()
         self.engine.abort_all()
         self.engine.shutdown_workers()
         return left
 
     def follow(self, exit_now: Callable[[int], None]) -> int:
-        assert self.runner is not None
         try:
-            worker_loop(self.runner, self.comm)
+            worker_loop(self.runner, self.ctx.comm)
         except (ConnectionError, OSError) as e:
             log.error("lost rank 0 (%s); exiting", e)
             return 1

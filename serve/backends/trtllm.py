@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,15 +51,12 @@ from runtime.executors.trtllm_setup import (
     trtllm_missing,
 )
 from runtime.host import gpu_sm
-from serve import floors
-from serve.backends.base import Backend, EngineFault
+from runtime.store import floors
+from serve.backends.base import Backend, EngineFault, Serving
 from serve.backends.trtllm_mpi import check_mpi_world, finalize_mpi, watch_leader
-from serve.gates import GateFailure, shutdown_requested
-from serve.startup import HOST_FACTS
+from serve.gates import HOST_FACTS, Evidence, GateChain, GateFailure, shutdown_requested
+from serve.stages import GateContext, Resolved
 from serve.warmup import decode_batch_sizes
-
-if TYPE_CHECKING:
-    from serve.startup import Evidence
 
 log = logging.getLogger("serve")
 WARMUP_DECODE_TOKENS = 4
@@ -73,25 +71,25 @@ def rebuild_command(m: Manifest, tp: int | None = None, sm: str | None = None) -
             f"--tokens-per-block {p.tokens_per_block}")
 
 
+@dataclass(frozen=True, slots=True)
+class Constructed:
+    """The kernels gate's result: the Executor every rank constructed, and on rank 0 (the
+    leader) the adapter the HTTP layer submits to."""
+
+    executor: Any  # tensorrt_llm.bindings.executor.Executor
+    adapter: TrtllmExecutor | None  # rank 0 only
+
+
 class TrtllmBackend(Backend):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.engine_config: dict[str, Any] = {}  # TensorRT-LLM's config.json
-        self.kv: Any = None  # the KvCacheConfig every rank constructs the Executor with
-        self.executor: Any = None  # tensorrt_llm.bindings.executor.Executor, every rank
-        self.adapter: TrtllmExecutor | None = None  # rank 0 only
-        self._supervisor = os.getppid()
-
-    # ---- 1 resolve ---------------------------------------------------------------------
-
-    def resolve(self, ev: Evidence) -> None:
+    def __init__(self, ctx: GateContext, resolved: Resolved, ev: Evidence) -> None:
+        super().__init__(ctx, resolved)
         m = self.manifest
         _ = self.engine_dir  # TensorRT-LLM reads a directory: not an engine still in a store
         try:
-            self.engine_config = json.loads(self.files.get(TRTLLM_CONFIG).read_text())
-            self.st.model = load_model_config(self.files.get(MODEL_CONFIG_TRTLLM).parent)
-            mapping = self.engine_config["pretrained_config"]["mapping"]
-            version = self.engine_config["version"]
+            engine_config = json.loads(self.files.get(TRTLLM_CONFIG).read_text())
+            self.model = load_model_config(self.files.get(MODEL_CONFIG_TRTLLM).parent)
+            mapping = engine_config["pretrained_config"]["mapping"]
+            version = engine_config["version"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise GateFailure("resolve", f"the engine's {TRTLLM_CONFIG} or {MODEL_CONFIG_TRTLLM} is "
                               f"unreadable ({type(e).__name__}: {e})",
@@ -102,9 +100,20 @@ class TrtllmBackend(Backend):
                               f"rebuild it: {rebuild_command(m)}")
         ev.update(trtllm_config_version=version)
 
+    def gates(self) -> GateChain[Serving]:
+        chain: GateChain[None] = GateChain()
+        return (chain.then("compatible", self.compatible)
+                .then("reserve", self.reserve)
+                .then("load", self.load)
+                .then("verify", self.verify)
+                .then("connect", self.connect)
+                .then("allocate", self.allocate)
+                .then("kernels", self.kernels)
+                .then("warmup", self.warmup))
+
     # ---- 2 compatible ------------------------------------------------------------------
 
-    def compatible(self, ev: Evidence) -> None:
+    def compatible(self, _: None, ev: Evidence) -> None:
         """World size, TensorRT-LLM on every rank, the MPI world TensorRT-LLM sees, versions,
         GPU SM: every mismatch named, one line."""
         m = self.manifest
@@ -153,7 +162,7 @@ class TrtllmBackend(Backend):
 
     # ---- 3 reserve ---------------------------------------------------------------------
 
-    def reserve(self, ev: Evidence) -> None:
+    def reserve(self, _: None, ev: Evidence) -> None:
         plan = (self.engine_dir / rank_trt_engine(self.rank)).stat().st_size
         ev.update(engine_bytes=plan)
         if not torch.cuda.is_available():
@@ -168,7 +177,7 @@ class TrtllmBackend(Backend):
 
     # ---- 4 load (5 verify: the base class) ----------------------------------------------
 
-    def load(self, ev: Evidence) -> None:
+    def load(self, _: None, ev: Evidence) -> None:
         # TensorRT-LLM reads the engine directory itself (kernels gate): the plan it reads is
         # the one hashed here, unless the read-only engine file is replaced in between.
         self.files.require(rank_trt_engine(self.rank))
@@ -191,29 +200,31 @@ class TrtllmBackend(Backend):
 
     # ---- 7 allocate --------------------------------------------------------------------
 
-    def allocate(self, ev: Evidence) -> None:
+    def allocate(self, _: None, ev: Evidence) -> Any:
+        """Returns the KvCacheConfig every rank constructs the Executor with."""
         m = self.manifest
         tokens, frac = self.cfg.kv_cache_tokens, self.cfg.kv_cache_fraction
         if tokens is not None and tokens < m.profile.max_seq_len:
             raise GateFailure("allocate", f"--kv-cache-tokens {tokens} cannot hold one "
                               f"{m.profile.max_seq_len}-token sequence",
                               f"give --kv-cache-tokens of at least {m.profile.max_seq_len}")
-        self.kv = kv_cache_config(frac, tokens)
+        kv = kv_cache_config(frac, tokens)
         ev.update(free_gpu_memory_fraction=frac, max_tokens=tokens,
                   sized_by="--kv-cache-tokens" if tokens is not None else
                   f"--kv-cache-fraction {frac}" if frac is not None else
                   "TensorRT-LLM's default (0.9 of the memory free after the engine)",
                   allocated_by="the Executor's constructor (kernels gate)")
+        return kv
 
     # ---- 8 kernels ---------------------------------------------------------------------
 
-    def kernels(self, ev: Evidence) -> None:
+    def kernels(self, kv: Any, ev: Evidence) -> Constructed:
         m = self.manifest
         # Structured output: xgrammar's tokenizer information, on every rank alike.
         guided, guided_off = guided_decoding_config(self.engine_dir)
         t0 = time.perf_counter()
         try:
-            self.executor = construct_executor(self.engine_dir, self.kv, guided)
+            executor = construct_executor(self.engine_dir, kv, guided)
         except Exception as e:  # TensorRT(-LLM) says why on stderr; the exception is terse
             raise GateFailure(
                 "kernels", f"TensorRT-LLM could not construct the Executor for rank "
@@ -223,36 +234,37 @@ class TrtllmBackend(Backend):
                 f"{m.toolchain.get('tensorrt_llm')}; if this host differs, rebuild it here: "
                 f"{rebuild_command(m)}") from None
         secs = time.perf_counter() - t0
-        leader = bool(self.executor.can_enqueue_requests())
+        leader = bool(executor.can_enqueue_requests())
         ranks = self.comm.allgather({"rank": self.rank, "leader": leader,
                                      "seconds": round(secs, 3)})
         if [r["leader"] for r in ranks] != [r == 0 for r in range(self.comm.size)]:
             raise GateFailure("kernels", f"expected rank 0 alone to be the leader, got {ranks}",
                               "check the MPI launch (one process per engine rank, rank 0 first)")
-        if self.rank == 0:
-            self.adapter = TrtllmExecutor(self.executor, eos_token_ids=self.st.eos_token_ids,
-                                          pad_id=self.st.pad_id, guided_unavailable=guided_off)
+        stop = self.ctx.stop  # rank 0's, decided in gate 1 (serve/rank0.py)
+        adapter = TrtllmExecutor(executor, eos_token_ids=stop.eos_token_ids, pad_id=stop.pad_id,
+                                 guided_unavailable=guided_off) if self.rank == 0 else None
         ev.update(kind="TensorRT-LLM Executor (LEADER mode)", construct_s=round(secs, 3),
                   ranks=ranks, guided_decoding="xgrammar" if guided_off is None
                   else f"off: {guided_off}")
+        return Constructed(executor, adapter)
 
     # ---- 9 warmup (rank 0 drives; the others' executors follow the leader) --------------
 
-    def warmup(self, ev: Evidence) -> None:
-        m, adapter, cfg = self.manifest, self.adapter, self.st.model
+    def warmup(self, built: Constructed, ev: Evidence) -> TrtllmServing:
+        serving = TrtllmServing(self.ctx, built)
         if self.rank != 0:
             ev["driven_by"] = "rank 0"
-            return
-        assert adapter is not None and cfg is not None
-        p, vocab = m.profile, cfg.vocab_size
+            return serving
+        m, adapter = self.manifest, serving.leader
+        p, vocab = m.profile, self.model.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(p.max_seq_len)]
-        self._check_kv_cache(ev, prompt[:1])
+        self._check_kv_cache(adapter, ev, prompt[:1])
         if self.cfg.warmup == "auto":
             # Largest first: a full-budget prefill, then decode batches max, ..., 2, 1.
             shapes: list[dict[str, Any]] = []
             n = max(1, min(p.max_num_tokens, p.max_seq_len - 1 - WARMUP_DECODE_TOKENS))
             for batch, length in [(1, n), *((b, 8) for b in decode_batch_sizes(p.max_batch_size))]:
-                if self.st.interrupted():  # a stop signal waits for one shape, not all
+                if self.ctx.interrupted():  # a stop signal waits for one shape, not all
                     raise shutdown_requested("warmup")
                 sp = SamplingParams(max_tokens=WARMUP_DECODE_TOKENS, temperature=0.0,
                                     ignore_eos=True)
@@ -269,16 +281,15 @@ class TrtllmBackend(Backend):
             ev["shapes"] = shapes
         else:
             ev["shapes"] = "skipped (--warmup none)"
-        self._golden(ev)
+        self._golden(adapter, ev)
+        return serving
 
-    def _check_kv_cache(self, ev: Evidence, prompt: list[int]) -> None:
+    def _check_kv_cache(self, adapter: TrtllmExecutor, ev: Evidence, prompt: list[int]) -> None:
         """One token through the Executor, then the KV cache it allocated (from its iteration
         statistics) must hold one max_seq_len sequence. TensorRT-LLM does not refuse a smaller
         cache: it shrinks max_seq_len and max_input_len at construction, with a warning, and
         then rejects the longer prompts one by one."""
-        m, adapter = self.manifest, self.adapter
-        assert adapter is not None
-        p = m.profile
+        p = self.manifest.profile
         try:
             adapter.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0,
                                                        ignore_eos=True)])
@@ -292,7 +303,7 @@ class TrtllmBackend(Backend):
             st = adapter.stats()
         tpb = int(st.extra.get("kv_tokens_per_block", p.tokens_per_block))
         kv_tokens = st.kv_blocks_total * tpb
-        self.st.log.amend("allocate", blocks=st.kv_blocks_total, tokens=kv_tokens)
+        self.ctx.log.amend("allocate", blocks=st.kv_blocks_total, tokens=kv_tokens)
         ev["kv_cache_tokens"] = kv_tokens or "not reported by TensorRT-LLM"
         if st.kv_blocks_total and kv_tokens < p.max_seq_len:
             raise GateFailure("warmup", f"the KV cache TensorRT-LLM allocated holds {kv_tokens} "
@@ -301,9 +312,8 @@ class TrtllmBackend(Backend):
                               "raise --kv-cache-fraction or --kv-cache-tokens, free GPU memory, "
                               "or rebuild with a smaller --max-seq-len")
 
-    def _golden(self, ev: Evidence) -> None:
-        m, adapter = self.manifest, self.adapter
-        assert adapter is not None
+    def _golden(self, adapter: TrtllmExecutor, ev: Evidence) -> None:
+        m = self.manifest
         record = m.golden
         want = list(record.get("tokens", []))
         sp = SamplingParams(max_tokens=len(want), temperature=0.0, ignore_eos=True)
@@ -318,31 +328,44 @@ class TrtllmBackend(Backend):
                 "warmup", f"the golden prompt gave {got}, the build recorded {want}",
                 f"run `pipeline verify {self.cfg.engine}` and rebuild it: {rebuild_command(m)}")
 
-    # ---- serving -----------------------------------------------------------------------
+
+
+class TrtllmServing(Serving):
+    """The Executor the gates constructed: rank 0 serves through its adapter, the other
+    ranks block in its shutdown() until rank 0 shuts down."""
+
+    def __init__(self, ctx: GateContext, built: Constructed) -> None:
+        self.comm, self.cfg = ctx.comm, ctx.cfg
+        self.executor: Any = built.executor  # held here alone from now on (see release)
+        self.adapter = built.adapter
+        self._supervisor = os.getppid()
+
+    @property
+    def leader(self) -> TrtllmExecutor:
+        if self.adapter is None:
+            raise RuntimeError("only rank 0 (the leader) submits requests")
+        return self.adapter
 
     def open(self, ev: Evidence) -> TrtllmExecutor:
-        assert self.adapter is not None
         ev["executor"] = "TensorRT-LLM"
         if self.cfg.max_prefill_tokens_while_decoding:
             log.warning("--max-prefill-tokens-while-decoding is not applied: TensorRT-LLM's "
                         "Executor schedules its own chunks (the engine's max_num_tokens)")
             ev["max_prefill_tokens_while_decoding"] = "not applied (TensorRT-LLM schedules)"
-        return self.adapter
+        return self.leader
 
     def poll(self, timeout: float) -> None:
-        assert self.adapter is not None
-        if self.adapter.error is not None:  # the job cannot serve without its Executor
-            raise EngineFault(self.adapter.error)
+        if self.leader.error is not None:  # the job cannot serve without its Executor
+            raise EngineFault(self.leader.error)
         time.sleep(timeout)  # the adapter's own thread drives the Executor
 
     def close(self) -> int:
-        assert self.adapter is not None
-        left = self.adapter.cancel_all()
+        left = self.leader.cancel_all()
         # Tell the other ranks this is an orderly end before their shutdown() returns.
         self.comm.send_plan(StepPlan(step_id=-1, shutdown=True))
         # Cancels what is still queued or running and waits for it: the leader's
         # Executor.shutdown() blocks until no request is left.
-        if self.adapter.shutdown():  # the Executor itself is dropped by release()
+        if self.leader.shutdown():  # the Executor itself is dropped by release()
             log.info("Executor shut down (rank 0, the leader); the other ranks are released")
         else:
             log.error("Executor.shutdown() did not return; the other ranks may wait for it")

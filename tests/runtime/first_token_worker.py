@@ -34,7 +34,8 @@ def main() -> None:
     for engine in engines:
         m = read_manifest(engine)
         runner, _ = runner_from_engine(engine, m.backend, m.dtype, TPContext(comm.rank, comm.size),
-                                       64, m.profile.tokens_per_block, files=EngineFiles(engine, m))
+                                       64, m.profile.tokens_per_block, m.profile.max_num_tokens,
+                                       files=EngineFiles(engine, m))
         if comm.rank != 0:
             worker_loop(runner, comm)
             continue

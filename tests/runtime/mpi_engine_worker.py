@@ -45,7 +45,8 @@ def main() -> None:
     for engine in engines:
         m = read_manifest(engine)
         runner, _ = runner_from_engine(engine, m.backend, m.dtype, TPContext(comm.rank, comm.size), 32,
-                                       m.profile.tokens_per_block, files=EngineFiles(engine, m))
+                                       m.profile.tokens_per_block, m.profile.max_num_tokens,
+                                       files=EngineFiles(engine, m))
         rows = [runner.execute(p)[1] for p in plans(m.profile.tokens_per_block)]
         result[str(engine)] = {"backend": m.backend, "logits": torch.cat(rows).tolist()}
     if comm.rank == 0:

@@ -11,15 +11,16 @@ from types import ModuleType
 import pytest
 
 from runtime.dist.comm import Comm
-from serve.backends.trtllm import TrtllmBackend
+from serve.backends.trtllm import Constructed, TrtllmServing
 from serve.gates import GateFailure, GateLog
 from serve.launch import LaunchConfig
+from serve.stages import GateContext
 from serve.startup import Startup
 
 
 def _run_gates(engine: Path, upto: str = "warmup", **launch: object) -> Startup:
     cfg = LaunchConfig(engine=engine, **launch)  # type: ignore[arg-type]
-    st = Startup(cfg, Comm(), GateLog())
+    st = Startup(GateContext(cfg, Comm(), GateLog()))
     try:
         st.run(until=upto)
     except GateFailure:
@@ -29,8 +30,8 @@ def _run_gates(engine: Path, upto: str = "warmup", **launch: object) -> Startup:
 
 
 def _close(st: Startup) -> None:
-    b = st.backend
-    if not isinstance(b, TrtllmBackend):
+    b = st.value  # what the last gate that passed produced
+    if not isinstance(b, (Constructed, TrtllmServing)):
         return
     if b.adapter is not None:
         b.adapter.shutdown()
@@ -167,7 +168,7 @@ def test_release_tells_whether_the_executor_is_gone(trtllm_fake: ModuleType,
     with pytest.raises(TypeError):
         weakref.ref(ex)
     ex.shutdown()
-    backend = TrtllmBackend.__new__(TrtllmBackend)  # as after the kernels gate and close()
+    backend = TrtllmServing.__new__(TrtllmServing)  # as after the kernels gate and close()
     backend.adapter, backend.executor = None, ex
     backend._executor_ref = None  # what the kernels gate kept before (weakref -> TypeError)
     holder = [ex]

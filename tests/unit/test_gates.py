@@ -115,10 +115,11 @@ class _TwoHostComm:
 
 def _gate_on_two_hosts(their: list[object], torch_here: str = "2.13.0") -> GateLog:
     from serve.launch import LaunchConfig
+    from serve.stages import GateContext
     from serve.startup import HOST_FACTS, Startup
 
     comm = _TwoHostComm(their)
-    st = Startup(LaunchConfig(engine=Path("/nonexistent")), comm, GateLog())  # type: ignore[arg-type]
+    st = Startup(GateContext(LaunchConfig(engine=Path("/nonexistent")), comm, GateLog()))  # type: ignore[arg-type]
     st.gate("compatible", lambda ev: ev.update({HOST_FACTS: {"torch": torch_here, "files": 3}}))
     return st.log
 
@@ -138,3 +139,23 @@ def test_hosts_with_different_torch_versions_fail_the_gate_naming_them() -> None
         _gate_on_two_hosts([None, {"torch": "2.12.1", "files": 3}])
     assert e.value.cause == ("the hosts run different torch versions: 2.13.0 on rank 0 on "
                              "node-a; 2.12.1 on rank 1 on node-b (10.0.0.2)")
+
+
+def test_a_gate_chain_is_the_gates_in_order_each_taking_the_previous_result() -> None:
+    from serve.gates import GateChain, GateStep
+
+    start: GateChain[None] = GateChain()
+    chain = (start.then("load", lambda _, ev: 3)
+             .then("verify", lambda n, ev: [n] * n)
+             .then("kernels", lambda xs, ev: sum(xs)))
+    assert [s.name for s in chain.steps] == ["load", "verify", "kernels"]
+    value: object = None
+    for step in chain.steps:
+        value = step.body(value, {})
+    assert value == 9
+    with pytest.raises(ValueError, match="out of order"):
+        start.then("kernels", lambda _, ev: None).then("load", lambda _, ev: None)
+    with pytest.raises(ValueError, match="out of order"):
+        start.then("load", lambda _, ev: None).then("load", lambda _, ev: None)
+    with pytest.raises(ValueError, match="not a start-up gate"):
+        GateStep("admission", lambda _, ev: None)  # rank 0's alone, after the chain

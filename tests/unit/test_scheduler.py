@@ -296,7 +296,7 @@ def test_config_validation(kw: dict[str, object]) -> None:
 
 def test_add_rejects_what_can_never_be_served() -> None:
     sched = Scheduler(config(max_seq_len=16, block_size=4, num_blocks=1 + 3))
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="maximum context length of 16"):
         add(sched, 0, list(range(1, 11)), max_tokens=7)  # 17 > 16
     with pytest.raises(ValueError, match="KV blocks"):
         add(sched, 0, list(range(1, 11)), max_tokens=4)  # 13 tokens of KV > 12 slots

@@ -20,7 +20,7 @@ from tests.conftest import REPO
 CHILD = """
 import sys, time
 from pathlib import Path
-from serve.worker import Lifecycle
+from serve.lifecycle import Lifecycle
 life = Lifecycle(Path(sys.argv[1]), rank=1)
 life.drain.set()  # mpirun's SIGTERM, forwarded by the supervisor before mpirun killed it
 if sys.argv[2] == "serving":

@@ -1,6 +1,8 @@
-"""Physical floors measured at start-up, to put the load gate's numbers in context.
+"""Physical floors: how fast this host reads storage and memory, and copies memory.
 
-Each probe is short (tens of milliseconds) so that measuring does not slow the start.
+One module measures them for the server and the benches alike: the serve load gate puts its
+numbers against short probes (tens of milliseconds, so that measuring does not slow the
+start), bench/floors.py runs the same measurements larger and repeated.
 """
 
 from __future__ import annotations
@@ -8,8 +10,9 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,14 +61,63 @@ def storage_read_gbps(path: Path, nbytes: int = _STORAGE_PROBE) -> tuple[float, 
     return done / dt / 1e9, mode
 
 
-def host_copy_gbps(nbytes: int = _PROBE) -> float:
-    """memcpy bandwidth into an already-faulted destination (the loader's best case)."""
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one untimed call (first touch of the
+    pages, warm caches and thread pools)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def host_copy_gbps(nbytes: int = _PROBE, repeats: int = 1) -> float:
+    """memcpy bandwidth (GB/s, bytes copied / time) into an already-faulted destination
+    (the loader's best case): the best of `repeats` copies."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in first
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    return nbytes / (time.perf_counter() - t0) / 1e9
+    return nbytes / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def memory_read_gbps(nbytes: int = _PROBE, repeats: int = 1) -> float:
+    """Memory read bandwidth (GB/s): the best of `repeats` full sums over nbytes of float32
+    (torch, all its threads)."""
+    t = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
+    return nbytes / best_seconds(lambda: t.sum(), repeats) / 1e9
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache (needs root and a writable /proc/sys/vm); True when it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def files_read(files: Sequence[Path], chunk: int = 16 << 20) -> dict[str, Any]:
+    """Read whole files front to back into one reused (pre-faulted) buffer, the page cache
+    dropped first when allowed; GB/s and whether the read was cold."""
+    cold = drop_page_cache()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    total = 0
+    t = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    seconds = time.perf_counter() - t
+    return {
+        "bytes": total,
+        "seconds": seconds,
+        "gbs": total / seconds / 1e9 if seconds > 0 else float("nan"),
+        "page_cache": "dropped (cold)" if cold else "not dropped (warm: no permission)",
+    }
 
 
 def h2d_gbps(device: str, nbytes: int = _PROBE) -> float:
