@@ -327,6 +327,10 @@ class TrtllmBackend(Backend):
             log.warning("--max-prefill-tokens-while-decoding is not applied: TensorRT-LLM's "
                         "Executor schedules its own chunks (the engine's max_num_tokens)")
             ev["max_prefill_tokens_while_decoding"] = "not applied (TensorRT-LLM schedules)"
+        if self.cfg.max_prefill_tokens_while_waiting:
+            log.warning("--max-prefill-tokens-while-waiting is not applied: TensorRT-LLM's "
+                        "Executor schedules its own chunks (the engine's max_num_tokens)")
+            ev["max_prefill_tokens_while_waiting"] = "not applied (TensorRT-LLM schedules)"
         return self.adapter
 
     def poll(self, timeout: float) -> None:

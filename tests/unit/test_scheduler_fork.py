@@ -89,9 +89,11 @@ def test_batch_slots_are_reserved_for_siblings() -> None:
         sched.add(Sequence(3, "d", [1], SamplingParams(max_tokens=2, n=5)))
 
 
-def test_prompt_logit_rows_cover_every_prompt_position_within_the_bound() -> None:
+@pytest.mark.parametrize("wait_cap", [None, 3])
+def test_prompt_logit_rows_cover_every_prompt_position_within_the_bound(
+        wait_cap: int | None) -> None:
     cfg = SchedulerConfig(4, 64, 4, 64, 128, (EOS,), enable_prefix_caching=True,
-                          max_logit_rows=6)
+                          max_logit_rows=6, max_prefill_tokens_while_waiting=wait_cap)
     sched, runner = Scheduler(cfg), CowRunner(4)
     prompt = list(range(1, 21))
     covered: list[int] = []
