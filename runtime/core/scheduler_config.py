@@ -24,14 +24,14 @@ class SchedulerConfig:
     # second for the 135M demo on 2 cores); smaller chunks while others decode bound that
     # stall. With nothing decoding, prompts take the whole budget (an idle server's TTFT).
     max_prefill_tokens_while_decoding: int | None = None
-    # Prompt tokens the running sequences' chunks may take in one step while a waiting
-    # sequence is admitted in it (None: they leave only the tokens the newcomers need,
-    # see the scheduler's "First tokens behind a long prompt"). A request
-    # arriving during a long prefill waits for the step in flight, then for the step that
-    # admits it: without a cap that step carries the rest of the long prompt's chunk (484
-    # of 996 tokens on a 512-token budget, about a second on a CPU), so its first token
-    # came no sooner than the long prompt's. With the cap that step is short, and the long
-    # prompt still progresses by up to this many tokens every step.
+    # Prompt tokens the running sequences' chunks may take, in all, in a step that admits
+    # a waiting sequence (None: they leave only the tokens the newcomers need; see the
+    # scheduler's "First tokens behind a long prompt"). A request arriving during a long
+    # prefill waits for the step in flight, then for the step that admits it: without a
+    # cap that step carries the rest of the long prompt's chunk (484 of 996 tokens on a
+    # 512-token budget, about a second on a CPU), so its first token came no sooner than
+    # the long prompt's. With the cap that step is short, and the long prompt still
+    # progresses (by up to this many tokens) in every step.
     max_prefill_tokens_while_waiting: int | None = None
 
     def __post_init__(self) -> None:
