@@ -8,12 +8,12 @@ Two scenarios, each repeated `rounds` times on one server:
 - behind n=16: a request with n=16, ignore_eos, max_tokens=120 runs; once its siblings
   hold the batch, a one-token request is sent; its latency is reported.
 
-Before and after in one run: the same engine is served once per configuration (`before`:
+Before and after in one run: the same engine is served twice at once (`before`:
 `--max-prefill-tokens-while-waiting 0`, the cap off; `after`: the server's default, or
-`--wait-cap N`), one after the other, with `--log-level debug`: the engine loop's step
-lines (runtime/executors/loop.py) give, per long-prompt round, the step that admitted the
-short request, its tokens and seconds. It prints JSON lines, one per configuration and
-scenario.
+`--wait-cap N`), and the two take turns round by round, so that a noisy machine slows
+both alike. Both log at DEBUG: the engine loop's step lines (runtime/executors/loop.py)
+give, per long-prompt round, the step that admitted the short request, its tokens and
+seconds. It prints JSON lines, one per configuration and scenario.
 """
 
 from __future__ import annotations
@@ -110,35 +110,43 @@ def step_trace(log: str, long_min_tokens: int = 500) -> list[dict[str, Any]]:
     return out
 
 
-async def _serve(args: argparse.Namespace, name: str, job: Job) -> list[dict[str, Any]]:
-    job.wait_ready(timeout=300)
-    client = openai.AsyncOpenAI(base_url=f"{job.base_url}/v1", api_key="unused",
-                                max_retries=0, timeout=600)
-    model = (await client.models.list()).data[0].id
+async def _measure(args: argparse.Namespace, jobs: dict[str, Job]) -> None:
+    """Every scenario's rounds, the configurations taking turns round by round: a noisy
+    machine slows both alike (each server idles while the other runs its round)."""
+    clients, models, caps = {}, {}, {}
+    for name, job in jobs.items():
+        job.wait_ready(timeout=300)
+        clients[name] = openai.AsyncOpenAI(base_url=f"{job.base_url}/v1", api_key="unused",
+                                           max_retries=0, timeout=600)
+        models[name] = (await clients[name].models.list()).data[0].id
+        await _ttft(clients[name], models[name], "warm up", 2)
+        caps[name] = _caps(job.get_json("/v1/engine") or {})
     words = " ".join(f"word{i}" for i in range(args.long_words))
-    await _ttft(client, model, "warm up", 2)
-    report = job.get_json("/v1/engine") or {}
-    caps = _caps(report)
-    lines = []
-    # Each round's long prompt starts differently (and differently per configuration):
-    # the prefix cache would otherwise serve every round after the first from its blocks.
-    scenarios = {
-        "long_prompt": lambda r: _long_prompt_round(
-            client, model, f"List {name} {r}. Summarize this list: {words}"),
-        "n16": lambda r: _n16_round(client, model, job),
-    }
     for scenario in args.scenarios.split(","):
-        runs = [await scenarios[scenario](r) for r in range(args.rounds)]
-        summary = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
-        line: dict[str, Any] = {"config": name, **caps, "scenario": scenario,
-                                "median": summary,
-                                "runs": [{k: round(v, 3) for k, v in r.items()} for r in runs]}
-        if scenario == "long_prompt":
-            line["steps"] = step_trace(job.rank_log(0))
-        print(json.dumps(line), flush=True)
-        lines.append(line)
-    await client.close()
-    return lines
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in jobs}
+        for r in range(args.rounds):
+            for name, job in jobs.items():
+                client, model = clients[name], models[name]
+                if scenario == "long_prompt":
+                    # Each round's long prompt starts differently: the prefix cache would
+                    # otherwise serve every round after the first from the first's blocks.
+                    result = await _long_prompt_round(
+                        client, model, f"List {name} {r}. Summarize this list: {words}")
+                else:
+                    result = await _n16_round(client, model, job)
+                runs[name].append(result)
+        for name, job in jobs.items():
+            summary = {k: round(statistics.median(x[k] for x in runs[name]), 3)
+                       for k in runs[name][0]}
+            line: dict[str, Any] = {"config": name, **caps[name], "scenario": scenario,
+                                    "median": summary,
+                                    "runs": [{k: round(v, 3) for k, v in x.items()}
+                                             for x in runs[name]]}
+            if scenario == "long_prompt":
+                line["steps"] = step_trace(job.rank_log(0))
+            print(json.dumps(line), flush=True)
+    for client in clients.values():
+        await client.close()
 
 
 def _caps(report: Any) -> dict[str, Any]:
@@ -169,29 +177,32 @@ def main() -> None:
                     help="words in the long prompt (275: 996 tokens on SmolLM2)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="before (--max-prefill-tokens-while-waiting 0), after (the default "
-                    "or --wait-cap), comma-separated, served in that order")
+                    "or --wait-cap), comma-separated, served side by side, taking turns")
     ap.add_argument("--wait-cap", type=int, default=None,
                     help="--max-prefill-tokens-while-waiting for `after` (default: the "
                     "server's own)")
     ap.add_argument("--scenarios", default="long_prompt,n16")
     args = ap.parse_args()
-    for name in args.configs.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"--configs: {name!r} is not one of {CONFIGS}")
-        flags = ["--log-level", "debug"]
-        if name == "before":
-            flags += ["--max-prefill-tokens-while-waiting", "0"]
-        elif args.wait_cap is not None:
-            flags += ["--max-prefill-tokens-while-waiting", str(args.wait_cap)]
-        with tempfile.TemporaryDirectory() as tmp:
-            job = launch(Path(args.engine), Path(tmp), args.tp, flags)
-            try:
-                asyncio.run(_serve(args, name, job))
-            finally:
+    names = args.configs.split(",")
+    if not names or any(name not in CONFIGS for name in names):
+        raise SystemExit(f"--configs: a comma-separated list of {CONFIGS}")
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = {}
+        try:
+            for name in names:
+                flags = ["--log-level", "debug"]  # the engine's step lines
+                if name == "before":
+                    flags += ["--max-prefill-tokens-while-waiting", "0"]
+                elif args.wait_cap is not None:
+                    flags += ["--max-prefill-tokens-while-waiting", str(args.wait_cap)]
+                jobs[name] = launch(Path(args.engine), Path(tmp) / name, args.tp, flags)
+            asyncio.run(_measure(args, jobs))
+        finally:
+            for job in jobs.values():
                 job.signal_launcher(signal.SIGTERM)  # drain, then whatever is left
+            for job in jobs.values():
                 if not job.wait_gone(60):
                     job.kill_all()
-
 
 if __name__ == "__main__":
     main()
