@@ -16,6 +16,7 @@ GPU_KV_FRACTION = 0.9
 # runtime/core/scheduler_config.py): a 128-token chunk of the 135M demo costs about 0.2 s on 2
 # cores, 512 about 1 s. GPUs run 2048-token steps in tens of milliseconds: no cap there.
 CPU_PREFILL_WHILE_DECODING = 128
+CPU_PREFILL_WHILE_WAITING = 128  # a 128-token step: about 0.25 s on 2 cores (135M demo)
 TOOL_PARSERS = ("generic", "hermes", "llama3_json", "mistral")  # serve/api/tools.py FORMATS
 
 
@@ -30,6 +31,8 @@ class LaunchConfig:
     max_queue: int = 256
     # None: CPU_PREFILL_WHILE_DECODING on a CPU, no cap on a GPU; 0: no cap
     max_prefill_tokens_while_decoding: int | None = None
+    # None: CPU_PREFILL_WHILE_WAITING on a CPU, no cap on a GPU; 0: no cap
+    max_prefill_tokens_while_waiting: int | None = None
     warmup: str = "auto"
     drain_timeout: float = 30.0
     log_level: str = "info"
@@ -70,9 +73,11 @@ class LaunchConfig:
             raise ValueError(f"--kv-cache-tokens must be positive, got {self.kv_cache_tokens}")
         if self.max_queue < 1:
             raise ValueError(f"--max-queue must be at least 1, got {self.max_queue}")
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and cap < 0:
-            raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got {cap}")
+        for flag, cap in (("decoding", self.max_prefill_tokens_while_decoding),
+                          ("waiting", self.max_prefill_tokens_while_waiting)):
+            if cap is not None and cap < 0:
+                raise ValueError(f"--max-prefill-tokens-while-{flag} must be >= 0 (0: no cap), "
+                                 f"got {cap}")
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
@@ -145,6 +150,12 @@ def parser() -> argparse.ArgumentParser:
                    "that a long prompt stalls their streams for a short chunk at a time "
                    f"(default {CPU_PREFILL_WHILE_DECODING} on a CPU, no cap on a GPU; 0: no "
                    "cap; the aoti and eager backends; TensorRT-LLM schedules by itself)")
+    p.add_argument("--max-prefill-tokens-while-waiting", type=int, default=None, metavar="N",
+                   help="prompt tokens running prompts may compute in a step that admits a "
+                   "waiting request, so that a request arriving during a long prefill gets its "
+                   "first token one short step later, not when the long prompt's chunk ends "
+                   f"(default {CPU_PREFILL_WHILE_WAITING} on a CPU, no cap on a GPU; 0: no cap; "
+                   "the aoti and eager backends)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",
                    help="auto (default): on a GPU the build profile's shapes, largest first; on "
                    "a CPU the golden check's two steps (prefill, then decode at the largest "
@@ -219,6 +230,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
+        max_prefill_tokens_while_waiting=ns.max_prefill_tokens_while_waiting,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else API_KEY.raw(),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,

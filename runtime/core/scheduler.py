@@ -7,7 +7,8 @@ decode is one token (the one sampled last step), and both share a step.
 
 Per step: running sequences first, in schedule order, each taking min(uncomputed, budget
 left) tokens (prompt chunks also within `max_prefill_tokens_while_decoding` while some
-sequence decodes); then waiting sequences while the batch has room, budget is left and the
+sequence decodes, and within `max_prefill_tokens_while_waiting` in a step that admits a
+waiting one); then waiting sequences while the batch has room, budget is left and the
 KV blocks for their first chunk are free. Blocks are allocated for exactly the tokens
 computed this step. When a running sequence needs a block and none is free, the last
 running sequence in schedule order (maybe itself) is preempted: its blocks are freed and it
@@ -31,6 +32,14 @@ Fair admission (issue #37), on top:
   chunks leave part of the step's tokens to them (what they need, at most half of the
   step's prompt tokens), so a short request arriving during a long prefill is admitted and
   sampled in its first step, and the long prompt still gets at least half of every step.
+  Leaving tokens is not enough on its own: the requests added between two steps wait for
+  the step in flight, and the step that admits them also carried the rest of the long
+  prompt's chunk (484 tokens of a 996-token prompt on a 512-token budget), so the short
+  request's first token came in the same step as the long prompt's. In a step that admits
+  a waiting sequence, running prompt chunks (of no more important requests) therefore
+  take at most `max_prefill_tokens_while_waiting` tokens in all: the newcomer's first
+  token comes one short step after the step in flight, and the long prompt still
+  progresses every step (by that cap at least, when nothing else takes the budget).
 
 Liveness: the first running sequence in schedule order is never preempted for another one
 (block preemption takes the last; row preemption leaves each request its first), and `add`
@@ -206,6 +215,10 @@ class Scheduler:
             slots = self._make_room(held, share, slots)
         reserve, reserve_priority = self._reserve_for_waiting(prefill_left, held, share, slots)
 
+        # Prompt tokens running chunks may still take in a step that admits a newcomer
+        # (None: no cap): the step, and so the newcomer's first token, stays short.
+        wait_cap = cfg.max_prefill_tokens_while_waiting if reserve else None
+
         decodes_left = sum(1 for s in self._running if s.num_uncomputed_tokens == 1)
         i = 0
         while i < len(self._running) and budget > 0:
@@ -213,11 +226,15 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 1 and seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
+            capped = False  # a chunk that counts against wait_cap
             if num_new > 1:  # a prompt chunk (or a restarted sequence's recompute)
                 limit = prefill_left
                 if reserve and seq.params.priority >= reserve_priority:
                     # Left for the waiting (after the decodes): their first tokens come now.
                     limit = min(limit, budget - decodes_left) - reserve
+                    if wait_cap is not None:
+                        limit = min(limit, wait_cap)
+                        capped = True
                 num_new = min(num_new, limit)
                 if num_new < 1:
                     i += 1
@@ -250,6 +267,8 @@ class Scheduler:
             budget -= num_new
             if num_new > 1:
                 prefill_left -= num_new
+            if capped and wait_cap is not None:
+                wait_cap -= num_new
             i += 1
 
         while (

@@ -24,6 +24,15 @@ class SchedulerConfig:
     # second for the 135M demo on 2 cores); smaller chunks while others decode bound that
     # stall. With nothing decoding, prompts take the whole budget (an idle server's TTFT).
     max_prefill_tokens_while_decoding: int | None = None
+    # Prompt tokens the running sequences' chunks may take, in all, in a step that admits
+    # a waiting sequence (None: they leave only the tokens the newcomers need; see the
+    # scheduler's "First tokens behind a long prompt"). A request arriving during a long
+    # prefill waits for the step in flight, then for the step that admits it: without a
+    # cap that step carries the rest of the long prompt's chunk (484 of 996 tokens on a
+    # 512-token budget, about a second on a CPU), so its first token came no sooner than
+    # the long prompt's. With the cap that step is short, and the long prompt still
+    # progresses (by up to this many tokens) in every step.
+    max_prefill_tokens_while_waiting: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
@@ -46,10 +55,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"eos_token_ids must be a tuple of non-negative ints, got {self.eos_token_ids!r}"
             )
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"max_prefill_tokens_while_decoding must be a positive integer "
-                             f"or None, got {cap!r}")
+        for name in ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_waiting"):
+            cap = getattr(self, name)
+            if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool)
+                                    or cap < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {cap!r}")
         if self.max_logit_rows is not None and self.max_logit_rows < self.max_batch_size:
             raise ValueError(
                 f"max_logit_rows ({self.max_logit_rows}) must be at least max_batch_size "

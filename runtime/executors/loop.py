@@ -11,6 +11,7 @@ from the first when it samples its first token.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,10 @@ from runtime.core.types import (
 )
 from runtime.dist.comm import Comm
 from runtime.executors.runner import ModelRunner
+
+# At DEBUG, one line per request queued and per step (which sequences, how many tokens,
+# how long): enough to see when a request is added and in which step it is admitted.
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -128,6 +133,9 @@ class LLMEngine:
             grammar = GrammarState(params.grammar, sorted(stop))
         sampling = SeqSampling(params, make_generator(params), stop, prompt, grammar)
         self.requests.add(sid, request_id, prompt, params, cb, sampling)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("queued %s as seq %d: %d prompt tokens, before step %d", request_id,
+                      sid, len(prompt), self.scheduler.stats().steps_total)
 
     def _end_group(self, group: Group, reason: FinishReason, error: str | None = None) -> None:
         """End a whole request now (cancel, engine failure): one final event."""
@@ -162,7 +170,12 @@ class LLMEngine:
             self._emit(seq)
         kind = "decode" if plan.num_tokens == len(plan.scheduled) else "prefill"
         self._step_time[f"{kind}_steps_total"] += 1
-        self._step_time[f"{kind}_step_seconds_total"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self._step_time[f"{kind}_step_seconds_total"] += seconds
+        if log.isEnabledFor(logging.DEBUG):  # "seq:tokens", * where it sampled
+            log.debug("step %d: %d tokens in %.3f s [%s]", plan.step_id, plan.num_tokens,
+                      seconds, " ".join(f"{s.seq_id}:{s.num_new_tokens}{'*' * s.sample}"
+                                        for s in plan.scheduled))
         self._refresh_stats()
         return plan
 

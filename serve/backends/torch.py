@@ -30,7 +30,12 @@ from runtime.store.loader import LoadedShard
 from runtime.store.source import StoreSource
 from serve.backends.base import Backend, EngineFault, Serving
 from serve.gates import HOST_FACTS, Evidence, GateChain, GateFailure, shutdown_requested
-from serve.launch import CPU_KV_FRACTION, CPU_PREFILL_WHILE_DECODING, GPU_KV_FRACTION
+from serve.launch import (
+    CPU_KV_FRACTION,
+    CPU_PREFILL_WHILE_DECODING,
+    CPU_PREFILL_WHILE_WAITING,
+    GPU_KV_FRACTION,
+)
 from serve.stages import GateContext, Resolved
 from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
 
@@ -327,16 +332,22 @@ class TorchServing(Serving):
         p, cfg = self.manifest.profile, self.ctx.cfg
         # A compiled step function returns at most max_num_tokens logits rows (the bound
         # pipeline/compile/aoti.py exports it with), which is the scheduler's default.
+        on_gpu = self.device.startswith("cuda")
         cap = cfg.max_prefill_tokens_while_decoding
         if cap is None:
-            cap = 0 if self.device.startswith("cuda") else CPU_PREFILL_WHILE_DECODING
+            cap = 0 if on_gpu else CPU_PREFILL_WHILE_DECODING
+        wait_cap = cfg.max_prefill_tokens_while_waiting
+        if wait_cap is None:
+            wait_cap = 0 if on_gpu else CPU_PREFILL_WHILE_WAITING
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
             max_seq_len=p.max_seq_len, eos_token_ids=self.ctx.stop.eos_token_ids,
             enable_prefix_caching=True, max_prefill_tokens_while_decoding=cap or None,
+            max_prefill_tokens_while_waiting=wait_cap or None,
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
+        ev["max_prefill_tokens_while_waiting"] = wait_cap or "no cap"
         self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
         return self._engine
 

@@ -352,6 +352,10 @@ class TrtllmServing(Serving):
             log.warning("--max-prefill-tokens-while-decoding is not applied: TensorRT-LLM's "
                         "Executor schedules its own chunks (the engine's max_num_tokens)")
             ev["max_prefill_tokens_while_decoding"] = "not applied (TensorRT-LLM schedules)"
+        if self.cfg.max_prefill_tokens_while_waiting:
+            log.warning("--max-prefill-tokens-while-waiting is not applied: TensorRT-LLM's "
+                        "Executor schedules its own chunks (the engine's max_num_tokens)")
+            ev["max_prefill_tokens_while_waiting"] = "not applied (TensorRT-LLM schedules)"
         return self.leader
 
     def poll(self, timeout: float) -> None:

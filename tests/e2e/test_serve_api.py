@@ -96,9 +96,11 @@ def test_engine_report_has_every_gate_with_timing_and_the_load_figures(server: S
     # Two unbound ranks on this host: each pins its step thread to its half of the cores.
     host = sorted(os.sched_getaffinity(0))
     assert rep["threads"]["step_thread_cores"] == host[:max(1, len(host) // 2)], rep["threads"]
-    # On a CPU, prompts computed while others decode come in chunks of at most 128 tokens.
+    # On a CPU, prompts computed while others decode, or in a step that admits a waiting
+    # request, come in chunks of at most 128 tokens.
     admission = gates[GATE_NAMES.index("admission")]["evidence"]
     assert admission["max_prefill_tokens_while_decoding"] == 128, admission
+    assert admission["max_prefill_tokens_while_waiting"] == 128, admission
     # The collector was held through the gates and the start-up heap frozen at admission
     # (serve/gcpolicy.py); its pauses since are reported by generation.
     assert admission["gc_frozen_objects"] > 50_000, admission

@@ -16,6 +16,15 @@ def test_the_prefill_cap_flag_is_parsed_and_checked() -> None:
         parse(["--engine", "e", "--max-prefill-tokens-while-decoding", "-1"])
 
 
+def test_the_waiting_prefill_cap_flag_is_parsed_and_checked() -> None:
+    """--max-prefill-tokens-while-waiting: a count, 0 for no cap, never negative."""
+    assert parse(["--engine", "e"]).max_prefill_tokens_while_waiting is None  # per device
+    assert parse(["--engine", "e", "--max-prefill-tokens-while-waiting", "0"]
+                 ).max_prefill_tokens_while_waiting == 0
+    with pytest.raises(ValueError, match="max-prefill-tokens-while-waiting must be >= 0"):
+        parse(["--engine", "e", "--max-prefill-tokens-while-waiting", "-1"])
+
+
 def test_the_grammar_flags_are_parsed_and_checked() -> None:
     """--grammar-compile-timeout, --grammar-compile-workers, --grammar-cache-mib."""
     cfg = parse(["--engine", "e"])

@@ -206,9 +206,11 @@ TIGHT = dict(max_batch_size=5, max_num_tokens=16, num_blocks=1 + 16)
         dict(max_num_tokens=9, num_blocks=1 + 40, enable_prefix_caching=True),
         dict(TIGHT, max_prefill_tokens_while_decoding=3),
         dict(max_prefill_tokens_while_decoding=1, enable_prefix_caching=True),
+        dict(TIGHT, max_prefill_tokens_while_waiting=2),
+        dict(max_num_tokens=9, max_prefill_tokens_while_waiting=1, enable_prefix_caching=True),
     ],
     ids=["roomy", "tight", "tiny-budget", "block1", "big-blocks", "tight-cache", "cache",
-         "tight-decode-cap", "decode-cap-1"],
+         "tight-decode-cap", "decode-cap-1", "tight-wait-cap", "wait-cap-1"],
 )
 def test_random_workloads_match_the_reference(seed: int, kw: dict[str, object]) -> None:
     reqs = random_requests(seed, 40, shared_prefix=bool(kw.get("enable_prefix_caching")))
@@ -287,6 +289,9 @@ def entries(plan: StepPlan) -> list[tuple[int, int, int, int, bool]]:
         dict(eos_token_ids=[0]),
         dict(eos_token_ids=(-1,)),
         dict(max_prefill_tokens_while_decoding=0),
+        dict(max_prefill_tokens_while_waiting=0),
+        dict(max_prefill_tokens_while_waiting=True),
+        dict(max_prefill_tokens_while_waiting=2.0),
     ],
 )
 def test_config_validation(kw: dict[str, object]) -> None:

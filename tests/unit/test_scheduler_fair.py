@@ -7,103 +7,15 @@ must give: taking rows back by preemption must never change what a request gets.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
+from runtime.core.plan import StepPlan
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import SeqStatus, Sequence
 from runtime.core.types import SamplingParams
-from tests.unit.test_scheduler_fork import EOS, VOCAB, CowRunner, first_token, next_token
-
-
-def expected(prompt: list[int], k: int, params: SamplingParams) -> tuple[list[int], str]:
-    """Sibling k's output under any schedule."""
-    out = [first_token(prompt, k)]
-    stop = () if params.ignore_eos else (EOS,)
-    while out[-1] not in stop and len(out) < params.max_tokens:
-        out.append(next_token(prompt + out))
-    return out, "stop" if out[-1] in stop else "length"
-
-
-@dataclass
-class Arrival:
-    step: int
-    prompt: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class Trace:
-    """What happened to each request: the step of its first token, its outputs."""
-
-    first_token_step: dict[int, int] = field(default_factory=dict)
-    results: dict[tuple[int, int], tuple[list[int], str]] = field(default_factory=dict)
-    max_rows: dict[int, int] = field(default_factory=dict)  # request -> most rows held
-    steps: int = 0
-    sched: Scheduler | None = None
-
-
-def run(cfg: SchedulerConfig, arrivals: list[Arrival], *,
-        on_step: object = None) -> Trace:
-    """Requests join at their step (request r has seq id r); step until all finish."""
-    sched, runner = Scheduler(cfg), CowRunner(cfg.block_size)
-    ids = iter(range(1000, 10**6))
-    index: dict[int, tuple[int, int]] = {}  # seq id -> (request, sibling)
-    trace = Trace(sched=sched)
-    pending = sorted(range(len(arrivals)), key=lambda r: arrivals[r].step)
-    step = 0
-    while pending or sched.has_unfinished():
-        while pending and arrivals[pending[0]].step <= step:
-            r = pending.pop(0)
-            sched.add(Sequence(r, f"req-{r}", list(arrivals[r].prompt), arrivals[r].params))
-            index[r] = (r, 0)
-        plan = sched.schedule()
-        sched.block_manager.check_integrity()
-        assert plan.num_tokens <= cfg.max_num_tokens
-        assert sum(sched._slots(s) for s in sched.running) <= cfg.max_batch_size
-        rows: dict[int, int] = {}
-        for s in sched.running:
-            r = index[s.seq_id][0]
-            rows[r] = rows.get(r, 0) + sched._slots(s)
-        for r, n in rows.items():
-            trace.max_rows[r] = max(trace.max_rows.get(r, 0), n)
-        runner.execute(plan)
-        sampled, forks = {}, {}
-        for s in plan.scheduled:
-            if not s.sample:
-                continue
-            seq = sched.get(s.seq_id)
-            assert seq is not None
-            tokens = seq.token_ids
-            r, k = index[s.seq_id]
-            sampled[s.seq_id] = first_token(tokens, k) if not seq.output_token_ids \
-                else next_token(tokens)
-            trace.first_token_step.setdefault(r, step)
-            if seq.fork_pending:
-                forks[s.seq_id] = []
-                for k in range(1, seq.params.num_sequences):
-                    cid = next(ids)
-                    index[cid] = (r, k)
-                    forks[s.seq_id].append((cid, first_token(tokens, k)))
-        for seq in sched.update(plan, sampled, forks):
-            if seq.finish_reason is not None:
-                trace.results[index[seq.seq_id]] = (list(seq.output_token_ids),
-                                                    seq.finish_reason)
-        sched.block_manager.check_integrity()
-        if callable(on_step):
-            on_step(step, sched, plan)
-        step += 1
-        assert step < 20_000, "no progress"
-    plan = sched.schedule()
-    runner.execute(plan)
-    sched.update(plan, {})
-    assert sched.block_manager.num_used == 0
-    trace.steps = step
-    for r, a in enumerate(arrivals):
-        for k in range(a.params.n):
-            assert trace.results[(r, k)] == expected(a.prompt, k, a.params), (r, k)
-    return trace
+from tests.unit.scheduler_driver import Arrival, run
+from tests.unit.test_scheduler import EOS, VOCAB
 
 
 def cfg(**kw: object) -> SchedulerConfig:
@@ -212,15 +124,58 @@ def test_a_short_request_is_not_held_back_by_a_long_prefill(decode_cap: int | No
     assert min(chunks) >= step_prompt // 2 and sum(chunks) == 240
 
 
-def test_many_short_arrivals_do_not_starve_the_long_prompt() -> None:
+@pytest.mark.parametrize("wait_cap", [None, 8])
+def test_many_short_arrivals_do_not_starve_the_long_prompt(wait_cap: int | None) -> None:
     """A short request arrives every step: each gets its first token in its arrival
-    step, and the long prompt still finishes within twice its unhindered steps."""
+    step, and the long prompt still finishes within twice its unhindered steps (with
+    max_prefill_tokens_while_waiting, it still gets that many tokens every step)."""
     arrivals = [Arrival(0, prompt(240), SamplingParams(max_tokens=2))]
     arrivals += [Arrival(1 + i, prompt(4, salt=i), SamplingParams(max_tokens=2))
                  for i in range(20)]
-    trace = run(cfg(max_num_tokens=32), arrivals)
+    trace = run(cfg(max_num_tokens=32, max_prefill_tokens_while_waiting=wait_cap), arrivals)
     assert all(trace.first_token_step[r] == arrivals[r].step for r in range(1, 21))
-    assert trace.first_token_step[0] <= 2 * 240 // 32
+    if wait_cap is None:
+        assert trace.first_token_step[0] <= 2 * 240 // 32
+    else:  # 32 in step 0, at least 8 in each of the 20 steps with an arrival, then 32 again
+        assert trace.first_token_step[0] <= 1 + 20 + (240 - 32 - 20 * 8) // 32 + 1
+
+
+@pytest.mark.parametrize("decode_cap", [None, 16])
+@pytest.mark.parametrize("wait_cap", [None, 8])
+def test_a_newcomer_gets_its_first_token_one_short_step_after_the_step_in_flight(
+        wait_cap: int | None, decode_cap: int | None) -> None:
+    """Issue #37 item 5, the bench's case scaled down: a 200-token prompt on a 64-token
+    budget; a 3-token request is added after its first step (it arrived during it). It is
+    admitted and sampled in the next step, but without max_prefill_tokens_while_waiting
+    that step also carries the long prompt's full chunk (the newcomer's first token is as
+    late as the budget allows); with it, that step computes at most the cap + 3 tokens
+    (+ the decodes), and the long prompt still progresses in every step."""
+    t = 0 if decode_cap is None else 1  # the long prompt's first step
+    arrivals = [Arrival(t, prompt(200), SamplingParams(max_tokens=4)),
+                Arrival(t + 1, prompt(3, salt=3), SamplingParams(max_tokens=4))]
+    extra: dict[str, object] = {}
+    if decode_cap is not None:  # something decodes the whole time: that cap applies too
+        extra["max_prefill_tokens_while_decoding"] = decode_cap
+        arrivals.append(Arrival(0, prompt(3, salt=5), SamplingParams(**LONG)))
+    tokens: list[int] = []  # computed per step
+    long_chunks: list[int] = []  # the long prompt's tokens per step
+
+    def watch(_step: int, _sched: Scheduler, plan: StepPlan) -> None:
+        tokens.append(plan.num_tokens)
+        long_chunks.append(sum(s.num_new_tokens for s in plan.scheduled if s.seq_id == 0))
+
+    trace = run(cfg(max_num_tokens=64, max_prefill_tokens_while_waiting=wait_cap, **extra),
+                arrivals, on_step=watch)
+    decodes = 0 if decode_cap is None else 1
+    step_tokens = decodes + (decode_cap or 64)  # a step with nobody waiting
+    assert trace.first_token_step[1] == t + 1  # the step after the one in flight
+    assert tokens[t] == step_tokens  # nobody waits: no wait cap
+    if wait_cap is None:  # the step is as long as ever: the newcomer's TTFT, before
+        assert tokens[t + 1] == step_tokens
+    else:
+        assert tokens[t + 1] <= wait_cap + 3 + decodes
+    long_chunks = long_chunks[t:trace.first_token_step[0] + 1]
+    assert min(long_chunks) >= 1 and sum(long_chunks) == 200
 
 
 # ---- priority ---------------------------------------------------------------------------
@@ -274,7 +229,10 @@ def test_priority_is_validated() -> None:
     dict(max_batch_size=4, max_num_tokens=16, num_blocks=1 + 30),
     dict(max_batch_size=4, max_num_tokens=16, num_blocks=1 + 30, enable_prefix_caching=True),
     dict(max_num_tokens=24, max_prefill_tokens_while_decoding=6, enable_prefix_caching=True),
-], ids=["roomy", "tight", "tight-cache", "decode-cap"])
+    dict(max_num_tokens=24, max_prefill_tokens_while_waiting=3, enable_prefix_caching=True),
+    dict(max_batch_size=4, max_num_tokens=16, num_blocks=1 + 30,
+         max_prefill_tokens_while_decoding=5, max_prefill_tokens_while_waiting=1),
+], ids=["roomy", "tight", "tight-cache", "decode-cap", "wait-cap", "tight-both-caps"])
 def test_random_mixes_give_every_sequence_its_own_output(seed: int, kw: dict) -> None:
     rng = random.Random(seed)
     arrivals = []

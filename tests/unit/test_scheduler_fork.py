@@ -8,92 +8,20 @@ import random
 
 import pytest
 
-from runtime.core.plan import StepPlan
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
 from runtime.core.types import SamplingParams
-from tests.unit.test_scheduler import EOS, VOCAB, MirrorRunner, next_token
+from tests.unit.scheduler_driver import Arrival, CowRunner, expected, run
+from tests.unit.test_scheduler import EOS, VOCAB, next_token
 
 
-class CowRunner(MirrorRunner):
-    """The mirror, plus `copied_blocks` applied before the step (as runtime/executors/runner.py)."""
-
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        bs = self.block_size
-        for src, dst in plan.copied_blocks:
-            for off in range(bs):
-                if src * bs + off in self.kv:
-                    self.kv[dst * bs + off] = self.kv[src * bs + off]
-                else:
-                    self.kv.pop(dst * bs + off, None)
-        return super().execute(plan)
-
-
-def first_token(prompt: list[int], k: int) -> int:
-    """Sibling k's first token: distinct per sibling so that the outputs diverge."""
-    return (next_token(prompt) + 7 * k) % VOCAB
-
-
-def expected(prompt: list[int], k: int, max_tokens: int) -> tuple[list[int], str]:
-    out = [first_token(prompt, k)]
-    while out[-1] != EOS and len(out) < max_tokens:
-        out.append(next_token(prompt + out))
-    return out, "stop" if out[-1] == EOS else "length"
-
-
-def drive(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], seed: int = 0,
-          abort_rate: float = 0.0) -> tuple[dict[tuple[int, int], tuple[list[int], str]],
-                                            Scheduler]:
-    """All requests at once; results by (request, sibling index)."""
-    rng = random.Random(seed)
-    sched, runner = Scheduler(cfg), CowRunner(cfg.block_size)
-    ids = iter(range(1000, 10**6))
-    index: dict[int, tuple[int, int]] = {}  # seq id -> (request, sibling)
-    for r, (prompt, params) in enumerate(reqs):
-        sched.add(Sequence(r, f"req-{r}", list(prompt), params))
-        index[r] = (r, 0)
-    results: dict[tuple[int, int], tuple[list[int], str]] = {}
-    steps = 0
-    while sched.has_unfinished():
-        if abort_rate and rng.random() < abort_rate:
-            victim = rng.choice([s.seq_id for s in sched.running + sched.waiting])
-            seq = sched.get(victim)
-            assert seq is not None and sched.abort(victim)
-            results[index[victim]] = (list(seq.output_token_ids), "cancelled")
-        plan = sched.schedule()
-        sched.block_manager.check_integrity()
-        assert plan.num_tokens <= cfg.max_num_tokens
-        assert len(sched.running) <= cfg.max_batch_size
-        rows = sum(s.sample + s.prompt_logits for s in plan.scheduled)
-        assert rows <= cfg.logit_rows
-        runner.execute(plan)
-        sampled, forks = {}, {}
-        for s in plan.scheduled:
-            if not s.sample:
-                continue
-            seq = sched.get(s.seq_id)
-            assert seq is not None
-            tokens = seq.token_ids
-            r, k = index[s.seq_id]
-            sampled[s.seq_id] = first_token(tokens, k) if not seq.output_token_ids \
-                else next_token(tokens)
-            if seq.fork_pending:
-                forks[s.seq_id] = []
-                for k in range(1, seq.params.num_sequences):
-                    cid = next(ids)
-                    index[cid] = (r, k)
-                    forks[s.seq_id].append((cid, first_token(tokens, k)))
-        for seq in sched.update(plan, sampled, forks):
-            if seq.finish_reason is not None:
-                results[index[seq.seq_id]] = (list(seq.output_token_ids), seq.finish_reason)
-        sched.block_manager.check_integrity()
-        steps += 1
-        assert steps < 20_000, "no progress"
-    plan = sched.schedule()
-    runner.execute(plan)
-    sched.update(plan, {})
-    assert sched.block_manager.num_used == 0
-    return results, sched
+def drive(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]]
+          ) -> tuple[dict[tuple[int, int], tuple[list[int], str]], Scheduler]:
+    """All requests at once; results by (request, sibling index), each already checked
+    against what any schedule must give."""
+    trace = run(cfg, [Arrival(0, prompt, params) for prompt, params in reqs])
+    assert trace.sched is not None
+    return trace.results, trace.sched
 
 
 def _requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
@@ -116,7 +44,7 @@ def test_every_sibling_continues_its_own_prefix(num_blocks: int, caching: bool) 
     results, sched = drive(cfg, reqs)
     for r, (prompt, params) in enumerate(reqs):
         for k in range(params.n):
-            assert results[(r, k)] == expected(prompt, k, params.max_tokens), (r, k)
+            assert results[(r, k)] == expected(prompt, k, params), (r, k)
     stats = sched.stats()
     assert stats.forked_sequences_total == sum(p.n - 1 for _, p in reqs)
     if num_blocks == 24:
@@ -161,9 +89,11 @@ def test_batch_slots_are_reserved_for_siblings() -> None:
         sched.add(Sequence(3, "d", [1], SamplingParams(max_tokens=2, n=5)))
 
 
-def test_prompt_logit_rows_cover_every_prompt_position_within_the_bound() -> None:
+@pytest.mark.parametrize("wait_cap", [None, 3])
+def test_prompt_logit_rows_cover_every_prompt_position_within_the_bound(
+        wait_cap: int | None) -> None:
     cfg = SchedulerConfig(4, 64, 4, 64, 128, (EOS,), enable_prefix_caching=True,
-                          max_logit_rows=6)
+                          max_logit_rows=6, max_prefill_tokens_while_waiting=wait_cap)
     sched, runner = Scheduler(cfg), CowRunner(4)
     prompt = list(range(1, 21))
     covered: list[int] = []
