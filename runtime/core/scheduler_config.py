@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.speculative import Speculative
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -24,6 +26,8 @@ class SchedulerConfig:
     # second for the 135M demo on 2 cores); smaller chunks while others decode bound that
     # stall. With nothing decoding, prompts take the whole budget (an idle server's TTFT).
     max_prefill_tokens_while_decoding: int | None = None
+    # Speculative decoding (runtime/core/spec.py): None, or the drafter and its K.
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
@@ -55,6 +59,9 @@ class SchedulerConfig:
                 f"max_logit_rows ({self.max_logit_rows}) must be at least max_batch_size "
                 f"({self.max_batch_size}): every running sequence may sample in one step"
             )
+        if self.speculative is not None and not isinstance(self.speculative, Speculative):
+            raise ValueError(f"speculative must be a Speculative or None, got "
+                             f"{self.speculative!r}")
 
     @property
     def logit_rows(self) -> int:
@@ -79,3 +86,5 @@ class SchedulerStats:
     forked_sequences_total: int = 0  # sequences started from a sibling's prefill (n > 1)
     kv_blocks_copied_total: int = 0  # copy-on-write of a fork's last prompt block
     rows_reclaimed_total: int = 0  # siblings preempted to give a waiting request its share
+    spec_draft_tokens_total: int = 0  # drafted tokens verified (speculative decoding)
+    spec_accepted_tokens_total: int = 0  # of those, accepted
