@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.speculative import Speculative
 from runtime.env import API_KEY
 
 API_KEY_ENV = API_KEY.name
@@ -30,6 +31,8 @@ class LaunchConfig:
     max_queue: int = 256
     # None: CPU_PREFILL_WHILE_DECODING on a CPU, no cap on a GPU; 0: no cap
     max_prefill_tokens_while_decoding: int | None = None
+    # Speculative decoding: None, the engine's (its manifest); "off"; "ngram[:K]"
+    speculative: str | None = None
     warmup: str = "auto"
     drain_timeout: float = 30.0
     log_level: str = "info"
@@ -73,6 +76,11 @@ class LaunchConfig:
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and cap < 0:
             raise ValueError(f"--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got {cap}")
+        if self.speculative is not None:
+            try:
+                Speculative.parse(self.speculative)
+            except ValueError as e:
+                raise ValueError(f"--speculative: {e}") from None
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
@@ -145,6 +153,11 @@ def parser() -> argparse.ArgumentParser:
                    "that a long prompt stalls their streams for a short chunk at a time "
                    f"(default {CPU_PREFILL_WHILE_DECODING} on a CPU, no cap on a GPU; 0: no "
                    "cap; the aoti and eager backends; TensorRT-LLM schedules by itself)")
+    p.add_argument("--speculative", default=None, metavar="off|ngram[:K]",
+                   help="speculative decoding: off, or ngram (prompt lookup) with K drafted "
+                   "tokens verified per step; greedy requests only, their outputs unchanged "
+                   "(default: what the engine was built with, `pipeline build --speculative`; "
+                   "the aoti and eager backends)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",
                    help="auto (default): on a GPU the build profile's shapes, largest first; on "
                    "a CPU the golden check's two steps (prefill, then decode at the largest "
@@ -219,6 +232,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         engine=ns.engine, host=ns.host, port=ns.port, kv_cache_fraction=ns.kv_cache_fraction,
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
+        speculative=ns.speculative,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else API_KEY.raw(),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,

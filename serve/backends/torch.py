@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from contract.speculative import Speculative
 from runtime import kernels
 from runtime.core.plan import StepPlan
 from runtime.core.scheduler import SchedulerConfig
@@ -303,13 +304,21 @@ class TorchBackend(Backend):
         cap = self.cfg.max_prefill_tokens_while_decoding
         if cap is None:
             cap = 0 if self.device.startswith("cuda") else CPU_PREFILL_WHILE_DECODING
+        # The engine's drafter unless --speculative says otherwise. A verify row is a prompt
+        # chunk to the compiled step, so any engine runs any K (the scheduler keeps drafts
+        # within the step's tokens and logits rows).
+        spec = (m.speculative if self.cfg.speculative is None
+                else Speculative.parse(self.cfg.speculative))
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
             max_seq_len=p.max_seq_len, eos_token_ids=eos, enable_prefix_caching=True,
-            max_prefill_tokens_while_decoding=cap or None,
+            max_prefill_tokens_while_decoding=cap or None, speculative=spec,
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
+        ev["speculative"] = {
+            "drafter": str(spec) if spec else "off",
+            "from": "the engine's manifest" if self.cfg.speculative is None else "--speculative"}
         self.engine = LLMEngine(runner, sc, self.comm)
         return self.engine
 
