@@ -168,7 +168,13 @@ class ModelRunner:
             return [], None
         args, sampled = prepare_inputs(items, self.block_size)
         t = args[0].shape[0]
-        if self.token_bucket > 1 and t > PAD_FROM_TOKENS:
+        # Only steps with prompt tokens are padded: decodes and verify rows (speculation)
+        # take a bounded set of shapes (at most max_batch_size * (1 + K) tokens), and a
+        # 5-token verify step padded to 16 rows costs the compute of 16 (bench/spec_decode.py,
+        # 135M demo, aoti on AVX512-BF16 without AMX: free generation at K=4 ran at half the
+        # speed of plain decoding with it).
+        prompt = any(s.num_new_tokens > 1 + len(s.draft_token_ids) for s in plan.scheduled)
+        if self.token_bucket > 1 and t > PAD_FROM_TOKENS and prompt:
             bucket = -(-t // self.token_bucket) * self.token_bucket
             args = pad_tokens(args, bucket if self.max_tokens is None else
                               min(bucket, self.max_tokens))

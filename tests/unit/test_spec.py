@@ -373,3 +373,29 @@ def test_runner_inputs_for_a_verify_entry() -> None:
     # the sampled row (after the last draft) first, then the rows before each draft
     assert logits_index.tolist() == [3, 0, 1, 2] and sampled == [0]
     assert state.token_ids == [10, 11, 12, 13, 14]  # drafts are not the runner's tokens
+
+
+def test_the_runner_pads_prompt_steps_but_not_verify_steps() -> None:
+    import torch
+
+    from runtime.core.plan import NewSeq
+    from runtime.executors.runner import ModelRunner
+
+    seen: list[int] = []
+
+    def step_fn(ids: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append(ids.shape[0])
+        logits_index = rest[-3]
+        assert isinstance(logits_index, torch.Tensor)
+        return torch.zeros(logits_index.shape[0], 8)
+
+    runner = ModelRunner(step_fn, torch.zeros(1, 2, 8, 4, 1, 2), 4, token_bucket=16,
+                         max_tokens=64)
+    # a 7-token prompt chunk: padded to the bucket
+    runner.execute(StepPlan(0, new_seqs=[NewSeq(0, [1, 2, 3, 4, 5, 6, 7])],
+                            scheduled=[ScheduledSeq(0, 0, 7, [1, 2], True)]))
+    # a verify step of 1 + 5 tokens: its exact shape, and a logits row per draft
+    sampled, logits = runner.execute(StepPlan(1, appended_tokens={0: 9}, scheduled=[
+        ScheduledSeq(0, 7, 6, [3, 4], True, 0, [4, 5, 6, 7, 8])]))
+    assert seen == [16, 6]
+    assert sampled == [0] and logits is not None and logits.shape[0] == 6
