@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[4, 6])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=160)
+    ap.add_argument("--prompts", nargs="+", choices=sorted(PROMPTS), default=list(PROMPTS))
     args = ap.parse_args(argv)
     from bench.common import demo_checkpoint
     from bench.prompts import load_tokenizer
@@ -110,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     runner, setup, label = make_runner(args.engine, None if args.engine else hf_dir)
     prompts = {name: list(tok(tok.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False)["input_ids"]) for name, text in PROMPTS.items()}
-    one(runner, setup, 0, prompts["free"], 8)  # warm the allocator, thread pool and kernels
+        add_special_tokens=False)["input_ids"]) for name, text in PROMPTS.items()
+        if name in args.prompts}
+    one(runner, setup, 0, next(iter(prompts.values())), 8)  # warm the allocator, thread pool and kernels
     ks = [0, *args.k]
     secs: dict[tuple[str, int], list[float]] = {}
     outs: dict[tuple[str, int], list[int]] = {}
