@@ -19,6 +19,7 @@ from contract.errors import BuildError
 from contract.layout import MANIFEST_NAME, WEIGHT_LAYOUTS
 from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
+from contract.speculative import Speculative
 from contract.target import Target
 
 SCHEMA_VERSION = 1
@@ -86,6 +87,9 @@ class Manifest:
     # The engine against transformers float32 on a fixed text, beside transformers' own
     # 16-bit figures (pipeline/fidelity.py); recorded only when measured or skipped.
     fidelity: dict[str, Any] = field(default_factory=dict)
+    # The drafter `serve launch` runs unless told otherwise (`--speculative`); recorded only
+    # when the build chose one.
+    speculative: Speculative | None = None
 
     @property
     def total_size(self) -> int:
@@ -112,6 +116,7 @@ class Manifest:
             "dtype": self.dtype,
             **({"quant": self.quant.to_dict()} if self.quant.enabled else {}),
             **({"weight_layout": self.weight_layout} if self.weight_layout != "rows" else {}),
+            **({"speculative": self.speculative.to_json()} if self.speculative else {}),
             "profile": self.profile.to_dict(),
             "toolchain": dict(self.toolchain),
             "files": [
@@ -162,6 +167,7 @@ class Manifest:
             files=files,
             golden=dict(d.get("golden") or {}),
             fidelity=dict(d.get("fidelity") or {}),
+            speculative=Speculative.from_json(d.get("speculative")),
         )
 
 
@@ -188,13 +194,15 @@ def engine_inputs(
     toolchain: dict[str, str],
     quant: Quantization = NONE,
     weight_layout: str = "rows",
+    speculative: Speculative | None = None,
 ) -> dict[str, Any]:
-    """Everything that determines an engine's bytes, as plain JSON data. The quantization
-    and a weight layout other than row-major enter only when there is one, so the other
-    engines keep the ids they always had."""
+    """Everything that determines an engine's bytes, as plain JSON data (the manifest's
+    included). The quantization, a weight layout other than row-major and a drafter enter
+    only when there is one, so the other engines keep the ids they always had."""
     return {
         **({"quant": quant.to_dict()} if quant.enabled else {}),
         **({"weight_layout": weight_layout} if weight_layout != "rows" else {}),
+        **({"speculative": speculative.to_json()} if speculative else {}),
         "schema_version": SCHEMA_VERSION,
         "source_digest": source_digest,
         "backend": backend,

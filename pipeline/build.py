@@ -183,6 +183,7 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
         toolchain=toolchain,
         quant=quant,
         weight_layout=layout,
+        speculative=cfg.speculative,
     )
     return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant, layout)
 
@@ -272,6 +273,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             quant=plan.quant,
             weight_layout=plan.weight_layout,
             fidelity=fidelity,
+            speculative=cfg.speculative,
         )
         with clock("commit"):
             write_manifest(tmp, manifest)

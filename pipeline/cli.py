@@ -22,6 +22,7 @@ from typing import NoReturn
 from contract.errors import EXIT_BAD_INPUT, EXIT_FAILURE, BuildError
 from contract.profile import BACKENDS, DTYPES, BuildProfile
 from contract.quant import ALL_SCHEMES, INT4_GROUP_SIZES, SCHEMES
+from contract.speculative import DEFAULT_NUM_TOKENS, Speculative
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress, format_bytes
 
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--quant-lm-head", choices=SCHEMES, default="none",
         help="quantize the LM head too (and the embedding when tied to it; default: %(default)s)",
+    )
+    b.add_argument(
+        "--speculative", default="off", metavar="off|ngram[:K]",
+        help="speculative decoding the served engine runs by default (`serve launch "
+        "--speculative` overrides it): ngram is prompt lookup, K drafted tokens verified per "
+        f"step (default {DEFAULT_NUM_TOKENS}); greedy requests only, outputs unchanged "
+        "(default: %(default)s)",
     )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
     b.add_argument("--mpirun", default=None,
@@ -159,6 +167,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             quant=args.quant,
             quant_group_size=args.quant_group_size,
             quant_lm_head=args.quant_lm_head,
+            speculative=Speculative.parse(args.speculative),
         )
     except ValueError as e:
         raise BuildError(str(e), "see `pipeline build --help`") from e
@@ -171,6 +180,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         f"backend   {m.backend}  target {m.target}  tp {m.tp}  dtype {m.dtype}",
         f"quant     {m.quant.describe()}",
         f"weights   {m.weight_layout}",
+        f"drafter   {m.speculative or 'off'}",
         "files",
         *_table(
             [[f.path, format_bytes(f.size)] for f in m.files]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from contract.profile import BACKENDS, DTYPES, BuildProfile
 from contract.quant import ALL_SCHEMES, INT4_GROUP_SIZES, SCHEMES, TRTLLM_ONLY_SCHEMES
+from contract.speculative import Speculative
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,10 @@ class BuildConfig:
     quant: str = "none"  # none | int8_wo | int4_wo (| fp8, trtllm on an FP8 GPU)
     quant_group_size: int | None = None  # int4: 128 unless given; int8: per channel unless given
     quant_lm_head: str = "none"  # none | int8_wo | int4_wo: the LM head (and a tied embedding)
+    # --speculative ngram[:K]: the drafter recorded in the manifest (contract/speculative.py).
+    # The compiled step needs nothing more: a verify row is a prompt chunk of 1 + K tokens
+    # with a logits row per token, within max_num_tokens like any chunk.
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -39,5 +44,12 @@ class BuildConfig:
         if self.quant_group_size is not None and self.quant_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"--quant-group-size must be one of "
                              f"{', '.join(map(str, INT4_GROUP_SIZES))}, got {self.quant_group_size}")
+        if self.speculative is not None and self.backend == "trtllm":
+            raise ValueError("--speculative runs on the aoti and eager backends (our scheduler); "
+                             "TensorRT-LLM engines configure their own")
+        if (self.speculative is not None
+                and self.speculative.num_tokens + 1 > self.profile.max_num_tokens):
+            raise ValueError(f"--speculative {self.speculative}: 1 + K tokens exceed the step's "
+                             f"--max-num-tokens ({self.profile.max_num_tokens})")
         if self.quant == "none" and (self.quant_group_size is not None or self.quant_lm_head != "none"):
             raise ValueError("--quant-group-size and --quant-lm-head need --quant int8_wo or int4_wo")

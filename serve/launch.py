@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.speculative import Speculative
 from runtime.env import API_KEY
 
 API_KEY_ENV = API_KEY.name
@@ -33,6 +34,8 @@ class LaunchConfig:
     max_prefill_tokens_while_decoding: int | None = None
     # None: CPU_PREFILL_WHILE_WAITING on a CPU, no cap on a GPU; 0: no cap
     max_prefill_tokens_while_waiting: int | None = None
+    # Speculative decoding: None, the engine's (its manifest); "off"; "ngram[:K]"
+    speculative: str | None = None
     warmup: str = "auto"
     drain_timeout: float = 30.0
     log_level: str = "info"
@@ -78,6 +81,11 @@ class LaunchConfig:
             if cap is not None and cap < 0:
                 raise ValueError(f"--max-prefill-tokens-while-{flag} must be >= 0 (0: no cap), "
                                  f"got {cap}")
+        if self.speculative is not None:
+            try:
+                Speculative.parse(self.speculative)
+            except ValueError as e:
+                raise ValueError(f"--speculative: {e}") from None
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
@@ -156,6 +164,11 @@ def parser() -> argparse.ArgumentParser:
                    "first token one short step later, not when the long prompt's chunk ends "
                    f"(default {CPU_PREFILL_WHILE_WAITING} on a CPU, no cap on a GPU; 0: no cap; "
                    "the aoti and eager backends)")
+    p.add_argument("--speculative", default=None, metavar="off|ngram[:K]",
+                   help="speculative decoding: off, or ngram (prompt lookup) with K drafted "
+                   "tokens verified per step; greedy requests only, their outputs unchanged "
+                   "(default: what the engine was built with, `pipeline build --speculative`; "
+                   "the aoti and eager backends)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",
                    help="auto (default): on a GPU the build profile's shapes, largest first; on "
                    "a CPU the golden check's two steps (prefill, then decode at the largest "
@@ -231,6 +244,7 @@ def parse(argv: list[str]) -> LaunchConfig:
         kv_cache_tokens=ns.kv_cache_tokens, max_queue=ns.max_queue, warmup=ns.warmup,
         max_prefill_tokens_while_decoding=ns.max_prefill_tokens_while_decoding,
         max_prefill_tokens_while_waiting=ns.max_prefill_tokens_while_waiting,
+        speculative=ns.speculative,
         drain_timeout=ns.drain_timeout, log_level=ns.log_level, run_dir=ns.run_dir,
         api_key=ns.api_key if ns.api_key is not None else API_KEY.raw(),
         max_body_bytes=ns.max_body_bytes, max_connections=ns.max_connections,

@@ -112,6 +112,13 @@ class ServingMetrics:
                  "Sequences started from a sibling's prefill (n > 1, best_of)."),
                 ("kv_blocks_copied_total",
                  "KV blocks copied on write when a sequence forked."),
+                # vLLM's names and meaning: drafted tokens verified, and those accepted (the
+                # acceptance rate is their ratio; mean accepted length per verify step
+                # needs the steps, a later counter).
+                ("spec_decode_num_draft_tokens_total",
+                 "Drafted tokens verified by speculative decoding."),
+                ("spec_decode_num_accepted_tokens_total",
+                 "Drafted tokens the target model accepted."),
                 # TGI's batch_forward_duration{method=decode|prefill}, as sums: the mean step
                 # between two scrapes is the increase of the seconds over that of the steps.
                 ("decode_steps_total", "Engine steps that only decoded."),

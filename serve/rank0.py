@@ -68,6 +68,8 @@ class Rank0:
             "gates": self.log.to_list(),
             "load": self.ctx.rank_loads or [self.log.evidence("load")],
             "kv_cache": self.log.evidence("allocate"),
+            # The drafter the engine loop runs (speculative decoding), once admission opened.
+            "speculative": self.log.evidence("admission").get("speculative"),
             "world_size": self.comm.size,
             "topology": self.comm.topology(),
             "threads": self.threads,

@@ -6,8 +6,18 @@ sent in full once (`NewSeq`), then only deltas: new block ids and the token rank
 sampled for it in the previous step.
 
 Runners apply a plan's fields in order: `freed_seq_ids` (forget), `new_seqs` (learn),
-`appended_tokens`, `copied_blocks` (KV copy-on-write), then each `scheduled` entry's
-`new_block_ids`; then they run the step. A preempted sequence is freed in one plan and
+`accepted_tokens` then `appended_tokens`, `block_table_lens` (speculation's rollback),
+`copied_blocks` (KV copy-on-write), then each `scheduled` entry's `new_block_ids`; then
+they run the step.
+
+Speculative decoding (runtime/core/spec.py): a decoding sequence may be scheduled with
+1 + K tokens, its last sampled token and K drafted ones (`draft_token_ids`), which the
+runners feed to the model without adding them to their tokens. Rank 0 keeps the accepted
+prefix; the next plan carries it (`accepted_tokens`, before the token sampled after it in
+`appended_tokens`) and, when blocks held only rejected positions and were freed,
+the sequence's shortened block table length (`block_table_lens`). KV written at rejected
+positions is left where it is: nothing reads past a sequence's computed tokens, and the
+next steps overwrite it. A preempted sequence is freed in one plan and
 comes back later as a `NewSeq`; so does a sequence forked from another (n > 1), whose
 block table starts with its parent's blocks.
 
@@ -43,6 +53,10 @@ class ScheduledSeq:
     # Prompt log-probabilities (echo): the first `prompt_logits` positions of this step's
     # chunk also yield logits rows, after every sampled row, in plan order.
     prompt_logits: int = 0
+    # Speculation: the last len(draft_token_ids) of the step's tokens are these drafts (not
+    # yet the sequence's); each position before a draft yields a logits row (K rows, after
+    # the prompt rows, in plan order), the last one the ordinary sampled row.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -51,6 +65,10 @@ class StepPlan:
     new_seqs: list[NewSeq] = field(default_factory=list)
     # tokens rank 0 sampled in the previous step, to append before this step runs
     appended_tokens: dict[int, int] = field(default_factory=dict)
+    # drafted tokens rank 0 accepted in the previous step, appended before appended_tokens
+    accepted_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # block tables cut to this many blocks (the tail held only rejected draft positions)
+    block_table_lens: dict[int, int] = field(default_factory=dict)
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     # sequences to forget, applied first (finished, cancelled, preempted)
     freed_seq_ids: list[int] = field(default_factory=list)
@@ -62,3 +80,7 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_draft_rows(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.scheduled)

@@ -17,9 +17,10 @@ import torch
 
 from runtime.core.logits import SeqSampling
 from runtime.core.plan import StepPlan
-from runtime.core.sampler import Sampler, make_generator
+from runtime.core.sampler import Sampler, first_max, make_generator
 from runtime.core.scheduler import Scheduler
 from runtime.core.sequence import Sequence
+from runtime.core.spec import accept_greedy
 from runtime.core.types import EventCallback, SamplingParams, TokenEvent, TokenLogprob
 
 
@@ -115,6 +116,34 @@ class RequestTable:
             s.group.live += 1
             forks.setdefault(parent, []).append((child_id, token))
         return sampled, forks
+
+    def verify(self, plan: StepPlan, rows: torch.Tensor, sampled: dict[int, int]
+               ) -> dict[int, list[int]]:
+        """Greedy acceptance (runtime/core/spec.py) of every entry that verified drafts:
+        rows [D, V] are the plan's draft rows in order (the row before each draft). Returns
+        the drafts each sequence keeps; where one was rejected, its sampled token (drawn
+        from the bonus row) becomes the argmax at the rejected position instead."""
+        targets = first_max(rows).tolist()  # [D]
+        accepted: dict[int, list[int]] = {}
+        at = 0
+        for entry in plan.scheduled:
+            drafts = entry.draft_token_ids
+            if not drafts:
+                continue
+            mine, at = targets[at:at + len(drafts)], at + len(drafts)
+            s = self.seqs.get(entry.seq_id)
+            if s is None or entry.seq_id not in sampled:
+                continue
+            a = accept_greedy(drafts, mine)
+            if a < len(drafts):
+                sampled[entry.seq_id] = mine[a]
+            accepted[entry.seq_id] = drafts[:a]
+            # Only speculable sequences verify: their state counts tokens and nothing else
+            # (no penalties, grammar or log-probabilities), so recording the accepted
+            # drafts here and the final token through sample() above keeps it exact.
+            for token in drafts[:a]:
+                s.sampling.accept(token, None)
+        return accepted
 
     def collect_prompt_logprobs(self, sampler: Sampler, plan: StepPlan, logits: torch.Tensor
                                 ) -> None:

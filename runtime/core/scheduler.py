@@ -57,6 +57,20 @@ Prompt log-probabilities (echo) need logits at every prompt position: such a seq
 skips the prefix cache, and its chunks are capped so that a step's logits rows stay
 within `max_logit_rows` (the compiled step function's bound).
 
+Speculative decoding (runtime/core/spec.py; `SchedulerConfig.speculative`): a decoding
+sequence that may speculate and whose drafter proposes something is scheduled with its
+last sampled token plus K drafts in one entry (`ScheduledSeq.draft_token_ids`), K within
+the tokens max_tokens still allows (so no KV position past the request's bound is ever
+written), the step's budget and logits rows left after one token and one row for every
+later running sequence, and only with blocks free for them (drafts never preempt). After
+the step (`update`, given the accepted prefix of the drafts) the sequence's computed
+tokens are its old ones plus the last sampled token and the accepted drafts; blocks that
+held only rejected positions are freed at once (the next plan tells the runners to cut
+their block tables, `block_table_lens`), and the prefix cache only ever registers full
+blocks of computed, known tokens, so never one holding a rejected draft. Accepted tokens
+join the output one by one, so a stop token or max_tokens among them ends the sequence
+exactly where one-token decoding would.
+
 Call order: `schedule()`, run the plan on every rank, `update(plan, sampled, forks)`, repeat;
 `add` and `abort` go between steps. Not thread-safe: the engine loop serialises calls.
 """
@@ -72,6 +86,7 @@ from runtime.core.limits import output_budget, stop_ids
 from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.core.sequence import SeqStatus, Sequence
+from runtime.core.spec import NgramDrafter, speculable
 from runtime.core.types import FinishReason
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -104,6 +119,10 @@ class Scheduler:
         self._pending_freed: list[int] = []  # for the next plan's freed_seq_ids
         self._pending_tokens: dict[int, int] = {}  # for the next plan's appended_tokens
         self._pending_copies: list[tuple[int, int]] = []  # for the next plan's copied_blocks
+        self._pending_accepted: dict[int, list[int]] = {}  # the next plan's accepted_tokens
+        self._pending_lens: dict[int, int] = {}  # the next plan's block_table_lens
+        spec = config.speculative
+        self.drafter = NgramDrafter(spec.num_tokens) if spec is not None else None
         self._inflight: StepPlan | None = None
         self._next_arrival = 0
         self._step_id = 0
@@ -117,6 +136,8 @@ class Scheduler:
         self._forked = 0
         self._copied = 0
         self._rows_reclaimed = 0  # siblings preempted so a request under its share got a row
+        self._spec_drafted = 0  # draft tokens verified
+        self._spec_accepted = 0  # of those, accepted
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -224,10 +245,15 @@ class Scheduler:
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts: list[int] = []
             if num_new == 1 and seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
+                # Drafts leave a token for every later decode and the waiting's reserve.
+                drafts = self._draft(seq, budget - 1 - decodes_left - reserve,
+                                     rows_left - 1 - (len(self._running) - i - 1))
+                num_new += len(drafts)
             capped = False  # a chunk that counts against wait_cap
-            if num_new > 1:  # a prompt chunk (or a restarted sequence's recompute)
+            if num_new > 1 and not drafts:  # a prompt chunk (or a restarted sequence's recompute)
                 limit = prefill_left
                 if reserve and seq.params.priority >= reserve_priority:
                     # Left for the waiting (after the decodes): their first tokens come now.
@@ -246,6 +272,10 @@ class Scheduler:
                     i += 1
                     continue
             need = bm.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_ids)
+            if drafts and not bm.can_allocate(need):  # drafts never cost anyone their blocks
+                num_new -= len(drafts)
+                drafts = []
+                need = bm.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.block_ids)
             while not bm.can_allocate(need):
                 victim = self._running.pop()  # the last in schedule order
                 self._preempt(victim)
@@ -261,11 +291,11 @@ class Scheduler:
                 plan.new_seqs.append(NewSeq(seq.seq_id, seq.token_ids))
                 self._known_to_runners.add(seq.seq_id)
                 new_blocks = list(seq.block_ids)
-            entry = self._entry(seq, num_new, new_blocks)
+            entry = self._entry(seq, num_new, new_blocks, drafts)
             plan.scheduled.append(entry)
-            rows_left -= entry.sample + entry.prompt_logits
+            rows_left -= entry.sample + entry.prompt_logits + len(drafts)
             budget -= num_new
-            if num_new > 1:
+            if num_new > 1 and not drafts:
                 prefill_left -= num_new
             if capped and wait_cap is not None:
                 wait_cap -= num_new
@@ -325,6 +355,10 @@ class Scheduler:
         self._pending_tokens = {}
         plan.copied_blocks = self._pending_copies
         self._pending_copies = []
+        plan.accepted_tokens = self._pending_accepted
+        self._pending_accepted = {}
+        plan.block_table_lens = self._pending_lens
+        self._pending_lens = {}
         self._inflight = plan
         self._step_id += 1
         self._tokens_last_step = plan.num_tokens
@@ -336,10 +370,13 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, sampled: Mapping[int, int],
-               forks: Mapping[int, Seq[tuple[int, int]]] | None = None) -> list[Sequence]:
+               forks: Mapping[int, Seq[tuple[int, int]]] | None = None,
+               accepted: Mapping[int, Seq[int]] | None = None) -> list[Sequence]:
         """Record a finished step: `sampled` maps seq id -> token for each `sample` entry;
         `forks` maps a sequence that sampled its first token and has `fork_pending` to its
-        siblings' (new seq id, first token).
+        siblings' (new seq id, first token); `accepted` maps a sequence that verified
+        drafts to the prefix of them it keeps (absent: none), which come before its
+        sampled token.
 
         Returns the sequences that got a token or finished this step (new siblings
         included, right after their parent); finished ones have `finish_reason` set,
@@ -355,13 +392,23 @@ class Scheduler:
         missing = {i for i in sample_ids - sampled.keys() if i in self._seqs}
         if missing:
             raise ValueError(f"no sampled token for sequences {missing}")
+        accepted = accepted or {}
+        drafts = {s.seq_id: s.draft_token_ids for s in plan.scheduled if s.draft_token_ids}
+        for sid, kept in accepted.items():
+            if list(kept) != drafts.get(sid, [])[:len(kept)] or sid not in drafts:
+                raise ValueError(f"accepted tokens for sequence {sid} are not a prefix of "
+                                 f"its drafts")
         self._inflight = None
         out: list[Sequence] = []
         for entry in plan.scheduled:
             seq = self._seqs.get(entry.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            if not entry.draft_token_ids:
+                seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            elif not self._verified(seq, entry, accepted.get(seq.seq_id, ())):
+                out.append(seq)  # it finished among its accepted drafts
+                continue
             if self.block_manager.enable_prefix_caching:
                 self._register_full_blocks(seq)
             if seq.num_computed_tokens >= seq.num_prompt_tokens - 1:
@@ -397,6 +444,8 @@ class Scheduler:
             forked_sequences_total=self._forked,
             kv_blocks_copied_total=self._copied,
             rows_reclaimed_total=self._rows_reclaimed,
+            spec_draft_tokens_total=self._spec_drafted,
+            spec_accepted_tokens_total=self._spec_accepted,
         )
 
     # ---- internals ---------------------------------------------------------------------
@@ -477,7 +526,38 @@ class Scheduler:
             return 0, 0  # its turn cannot come this step anyway
         return reserve, want.params.priority
 
-    def _entry(self, seq: Sequence, num_new: int, new_blocks: list[int]) -> ScheduledSeq:
+    def _draft(self, seq: Sequence, tokens_left: int, rows_left: int) -> list[int]:
+        """Drafts to verify after a decoding sequence's last token: none unless it may
+        speculate; at most K, the tokens and logits rows the step can spare, and one fewer
+        than the tokens max_tokens still allows (a verify step yields up to K + 1)."""
+        if self.drafter is None or not speculable(seq.params, seq.num_output_tokens,
+                                                  bool(self._stop_ids[seq.seq_id])):
+            return []
+        k = min(self.drafter.num_tokens, tokens_left, rows_left,
+                seq.params.max_tokens - seq.num_output_tokens - 1)
+        return self.drafter.propose(seq.token_ids, k) if k > 0 else []
+
+    def _verified(self, seq: Sequence, entry: ScheduledSeq, kept: Seq[int]) -> bool:
+        """A verify step's rollback and its accepted drafts: computed tokens up to the last
+        accepted one, the blocks beyond them freed (tail first), the drafts appended one
+        by one. False if one of them ended the sequence."""
+        self._spec_drafted += len(entry.draft_token_ids)
+        self._spec_accepted += len(kept)
+        seq.num_computed_tokens = entry.num_computed_tokens + 1 + len(kept)
+        keep = self.block_manager.blocks_needed(seq.num_computed_tokens)
+        if len(seq.block_ids) > keep:
+            self.block_manager.free(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+            self._pending_lens[seq.seq_id] = keep
+        for token in kept:
+            if self._append(seq, token) is not None:
+                return False
+        if kept:
+            self._pending_accepted[seq.seq_id] = list(kept)
+        return True
+
+    def _entry(self, seq: Sequence, num_new: int, new_blocks: list[int],
+               drafts: list[int] | None = None) -> ScheduledSeq:
         start = seq.num_computed_tokens
         rows = 0
         if seq.want_prompt_logits:  # positions whose next token is a prompt token
@@ -487,8 +567,9 @@ class Scheduler:
             num_computed_tokens=start,
             num_new_tokens=num_new,
             new_block_ids=new_blocks,
-            sample=start + num_new == seq.num_tokens,
+            sample=start + num_new - len(drafts or ()) == seq.num_tokens,
             prompt_logits=rows,
+            draft_token_ids=drafts or [],
         )
 
     # ---- state changes ------------------------------------------------------------------
@@ -562,6 +643,8 @@ class Scheduler:
         seq.block_ids = []
         seq.num_registered_blocks = 0
         self._pending_tokens.pop(seq.seq_id, None)
+        self._pending_accepted.pop(seq.seq_id, None)
+        self._pending_lens.pop(seq.seq_id, None)
         self._fresh_forks.discard(seq.seq_id)
         if seq.seq_id in self._known_to_runners:
             self._known_to_runners.remove(seq.seq_id)

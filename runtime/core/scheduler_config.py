@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.speculative import Speculative
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -33,6 +35,8 @@ class SchedulerConfig:
     # the long prompt's. With the cap that step is short, and the long prompt still
     # progresses (by up to this many tokens) in every step.
     max_prefill_tokens_while_waiting: int | None = None
+    # Speculative decoding (runtime/core/spec.py): None, or the drafter and its K.
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "block_size", "max_seq_len"):
@@ -65,6 +69,9 @@ class SchedulerConfig:
                 f"max_logit_rows ({self.max_logit_rows}) must be at least max_batch_size "
                 f"({self.max_batch_size}): every running sequence may sample in one step"
             )
+        if self.speculative is not None and not isinstance(self.speculative, Speculative):
+            raise ValueError(f"speculative must be a Speculative or None, got "
+                             f"{self.speculative!r}")
 
     @property
     def logit_rows(self) -> int:
@@ -89,3 +96,5 @@ class SchedulerStats:
     forked_sequences_total: int = 0  # sequences started from a sibling's prefill (n > 1)
     kv_blocks_copied_total: int = 0  # copy-on-write of a fork's last prompt block
     rows_reclaimed_total: int = 0  # siblings preempted to give a waiting request its share
+    spec_draft_tokens_total: int = 0  # drafted tokens verified (speculative decoding)
+    spec_accepted_tokens_total: int = 0  # of those, accepted

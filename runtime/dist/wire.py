@@ -55,23 +55,27 @@ def plan_to_wire(plan: StepPlan) -> bytes:
         [[s.seq_id, s.token_ids] for s in plan.new_seqs],
         list(plan.appended_tokens.items()),
         [[s.seq_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids, s.sample,
-          s.prompt_logits] for s in plan.scheduled],
+          s.prompt_logits, s.draft_token_ids] for s in plan.scheduled],
         plan.freed_seq_ids,
         plan.shutdown,
         plan.copied_blocks,
+        list(plan.accepted_tokens.items()),
+        list(plan.block_table_lens.items()),
     ])
 
 
 def plan_from_wire(data: bytes) -> StepPlan:
-    step_id, new, appended, scheduled, freed, shutdown, copied = loads(data)
+    step_id, new, appended, scheduled, freed, shutdown, copied, accepted, lens = loads(data)
     return StepPlan(
         step_id=int(step_id),
         new_seqs=[NewSeq(int(sid), [int(t) for t in toks]) for sid, toks in new],
         appended_tokens={int(sid): int(tok) for sid, tok in appended},
         scheduled=[ScheduledSeq(int(sid), int(done), int(n), [int(b) for b in blocks],
-                                bool(sample), int(rows))
-                   for sid, done, n, blocks, sample, rows in scheduled],
+                                bool(sample), int(rows), [int(t) for t in drafts])
+                   for sid, done, n, blocks, sample, rows, drafts in scheduled],
         freed_seq_ids=[int(s) for s in freed],
         shutdown=bool(shutdown),
         copied_blocks=[(int(a), int(b)) for a, b in copied],
+        accepted_tokens={int(sid): [int(t) for t in toks] for sid, toks in accepted},
+        block_table_lens={int(sid): int(n) for sid, n in lens},
     )

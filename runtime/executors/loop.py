@@ -160,15 +160,24 @@ class LLMEngine:
         sampled_ids, logits = self.runner.execute(plan)
         sampled: dict[int, int] = {}
         forks: dict[int, list[tuple[int, int]]] = {}
-        if logits is not None and len(logits) > len(sampled_ids):
-            self.requests.collect_prompt_logprobs(self.sampler, plan, logits[len(sampled_ids):])
+        accepted: dict[int, list[int]] = {}
+        # Rows: sampled ones, then prompt log-probability ones, then draft ones.
+        n_sampled = len(sampled_ids)
+        n_prompt = sum(s.prompt_logits for s in plan.scheduled)
+        if logits is not None and n_prompt:
+            self.requests.collect_prompt_logprobs(
+                self.sampler, plan, logits[n_sampled:n_sampled + n_prompt])
         if sampled_ids:
             assert logits is not None
             sampled, forks = self.requests.sample(self.sampler, self.scheduler, sampled_ids,
                                                   logits)
-        for seq in self.scheduler.update(plan, sampled, forks):
+            if plan.num_draft_rows:
+                accepted = self.requests.verify(plan, logits[n_sampled + n_prompt:], sampled)
+        for seq in self.scheduler.update(plan, sampled, forks, accepted):
             self._emit(seq)
-        kind = "decode" if plan.num_tokens == len(plan.scheduled) else "prefill"
+        # A verify step (speculation) decodes too: its drafts are not prompt tokens.
+        decoding = plan.num_tokens - plan.num_draft_rows == len(plan.scheduled)
+        kind = "decode" if decoding else "prefill"
         self._step_time[f"{kind}_steps_total"] += 1
         seconds = time.perf_counter() - t0
         self._step_time[f"{kind}_step_seconds_total"] += seconds
@@ -200,6 +209,9 @@ class LLMEngine:
                    "prompt_tokens_computed_total": float(s.prompt_tokens_computed_total),
                    "forked_sequences_total": float(s.forked_sequences_total),
                    "kv_blocks_copied_total": float(s.kv_blocks_copied_total),
+                   "spec_decode_num_draft_tokens_total": float(s.spec_draft_tokens_total),
+                   "spec_decode_num_accepted_tokens_total":
+                       float(s.spec_accepted_tokens_total),
                    **self._step_time},
         )
 

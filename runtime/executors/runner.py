@@ -35,7 +35,8 @@ def prepare_inputs(
     """Flatten one step into the step function's arguments (all but the KV cache).
 
     Returns the arguments in `LlamaForCausalLM.forward` order and the seq ids whose logits
-    rows come back, in row order; rows asked for by `prompt_logits` follow those rows.
+    rows come back, in row order; rows asked for by `prompt_logits` follow those rows, then
+    each verified draft's row (the position before it), in plan order.
     """
     ids: list[int] = []
     pos: list[int] = []
@@ -43,12 +44,15 @@ def prepare_inputs(
     dec_q, dec_tables, dec_ctx = [], [], []
     pf_rows: list[tuple[int, int, list[int]]] = []  # (first token index, count, block table)
     owner: list[tuple[str, int, int]] = []  # per token: group, row, column
-    logits_index, sampled, extra = [], [], []
+    logits_index, sampled, extra, draft_rows = [], [], [], []
     for state, s in items:
         start, n = s.num_computed_tokens, s.num_new_tokens
         first = len(ids)
+        k = len(s.draft_token_ids)
+        # Positions past the sequence's known tokens are its drafts (speculation).
+        known = start + n - k
         for p in range(start, start + n):
-            ids.append(state.token_ids[p])
+            ids.append(state.token_ids[p] if p < known else s.draft_token_ids[p - known])
             pos.append(p)
             slots.append(state.block_table[p // block_size] * block_size + p % block_size)
         nblocks = (start + n + block_size - 1) // block_size
@@ -64,12 +68,13 @@ def prepare_inputs(
             logits_index.append(first + n - 1)
             sampled.append(s.seq_id)
         extra.extend(range(first, first + s.prompt_logits))
+        draft_rows.extend(range(first + n - 1 - k, first + n - 1))
     # An empty group gets one dummy row on the null block so that no shape is ever 0.
     if not dec_q:
         dec_q, dec_tables, dec_ctx = [0], [[NULL_BLOCK]], [1]
     if not pf_rows:
         pf_rows = [(0, 1, [NULL_BLOCK])]
-    logits_index += extra
+    logits_index += extra + draft_rows
     if not logits_index:
         logits_index = [0]
     width = max(n for _, n, _ in pf_rows)
@@ -134,9 +139,15 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = SeqState(list(new.token_ids))
+        for sid, toks in plan.accepted_tokens.items():
+            if sid in self.seqs:
+                self.seqs[sid].token_ids.extend(toks)
         for sid, tok in plan.appended_tokens.items():
             if sid in self.seqs:
                 self.seqs[sid].token_ids.append(tok)
+        for sid, n in plan.block_table_lens.items():
+            if sid in self.seqs:
+                del self.seqs[sid].block_table[n:]
         for src, dst in plan.copied_blocks:
             for k, v in zip(self.k_caches, self.v_caches):
                 k[dst].copy_(k[src])
@@ -151,16 +162,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
         """Run one step; returns (seq ids, logits [n, vocab]) for the rows to sample,
-        followed by the `prompt_logits` rows the plan asked for."""
+        followed by the `prompt_logits` rows the plan asked for, then the draft rows."""
         items = self.apply(plan)
         if not items:
             return [], None
         args, sampled = prepare_inputs(items, self.block_size)
         t = args[0].shape[0]
-        if self.token_bucket > 1 and t > PAD_FROM_TOKENS:
+        # Only steps with prompt tokens are padded: decodes and verify rows (speculation)
+        # take a bounded set of shapes (at most max_batch_size * (1 + K) tokens), and a
+        # 5-token verify step padded to 16 rows costs the compute of 16 (bench/spec_decode.py,
+        # 135M demo, aoti on AVX512-BF16 without AMX: free generation at K=4 ran at half the
+        # speed of plain decoding with it).
+        prompt = any(s.num_new_tokens > 1 + len(s.draft_token_ids) for s in plan.scheduled)
+        if self.token_bucket > 1 and t > PAD_FROM_TOKENS and prompt:
             bucket = -(-t // self.token_bucket) * self.token_bucket
             args = pad_tokens(args, bucket if self.max_tokens is None else
                               min(bucket, self.max_tokens))
         dev = self.kv_cache.device
         logits = self.step_fn(*(a.to(dev, non_blocking=True) for a in args), self.k_caches, self.v_caches)
-        return sampled, logits[: len(sampled) + sum(s.prompt_logits for s in plan.scheduled)]
+        rows = len(sampled) + sum(s.prompt_logits for s in plan.scheduled) + plan.num_draft_rows
+        return sampled, logits[:rows]

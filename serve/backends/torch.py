@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from contract.speculative import Speculative
 from runtime import kernels
 from runtime.core.plan import StepPlan
 from runtime.core.scheduler import SchedulerConfig
@@ -339,15 +340,23 @@ class TorchServing(Serving):
         wait_cap = cfg.max_prefill_tokens_while_waiting
         if wait_cap is None:
             wait_cap = 0 if on_gpu else CPU_PREFILL_WHILE_WAITING
+        # The engine's drafter unless --speculative says otherwise. A verify row is a prompt
+        # chunk to the compiled step, so any engine runs any K (the scheduler keeps drafts
+        # within the step's tokens and logits rows).
+        spec = (self.manifest.speculative if cfg.speculative is None
+                else Speculative.parse(cfg.speculative))
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
             max_seq_len=p.max_seq_len, eos_token_ids=self.ctx.stop.eos_token_ids,
             enable_prefix_caching=True, max_prefill_tokens_while_decoding=cap or None,
-            max_prefill_tokens_while_waiting=wait_cap or None,
+            max_prefill_tokens_while_waiting=wait_cap or None, speculative=spec,
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
         ev["max_prefill_tokens_while_waiting"] = wait_cap or "no cap"
+        ev["speculative"] = {
+            "drafter": str(spec) if spec else "off",
+            "from": "the engine's manifest" if cfg.speculative is None else "--speculative"}
         self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
         return self._engine
 

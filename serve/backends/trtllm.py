@@ -348,6 +348,9 @@ class TrtllmServing(Serving):
 
     def open(self, ev: Evidence) -> TrtllmExecutor:
         ev["executor"] = "TensorRT-LLM"
+        if self.cfg.speculative not in (None, "off"):
+            log.warning("--speculative is not applied: TensorRT-LLM engines configure their own")
+            ev["speculative"] = "not applied (TensorRT-LLM)"
         if self.cfg.max_prefill_tokens_while_decoding:
             log.warning("--max-prefill-tokens-while-decoding is not applied: TensorRT-LLM's "
                         "Executor schedules its own chunks (the engine's max_num_tokens)")

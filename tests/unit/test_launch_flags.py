@@ -38,3 +38,27 @@ def test_the_grammar_flags_are_parsed_and_checked() -> None:
                         ("--grammar-cache-mib", "-1")):
         with pytest.raises(ValueError, match=flag):
             parse(["--engine", "e", flag, value])
+
+
+def test_the_speculative_flag_is_parsed_and_checked() -> None:
+    """--speculative: unset (the engine's choice), off, ngram or ngram:K; anything else is
+    refused before a rank starts."""
+    assert parse(["--engine", "e"]).speculative is None
+    assert parse(["--engine", "e", "--speculative", "off"]).speculative == "off"
+    assert parse(["--engine", "e", "--speculative", "ngram:6"]).speculative == "ngram:6"
+    for bad in ("ngram:0", "eagle", "ngram:x"):
+        with pytest.raises(ValueError, match="--speculative"):
+            parse(["--engine", "e", "--speculative", bad])
+
+
+def test_the_build_flag_is_checked() -> None:
+    from contract.profile import BuildProfile
+    from contract.speculative import Speculative
+    from pipeline.config import BuildConfig
+
+    assert BuildConfig("m", speculative=Speculative("ngram", 4)).speculative is not None
+    with pytest.raises(ValueError, match="aoti and eager"):
+        BuildConfig("m", backend="trtllm", speculative=Speculative("ngram", 4))
+    with pytest.raises(ValueError, match="max-num-tokens"):
+        BuildConfig("m", speculative=Speculative("ngram", 8),
+                    profile=BuildProfile(max_batch_size=4, max_num_tokens=8))

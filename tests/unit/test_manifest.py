@@ -246,3 +246,27 @@ def test_verify_and_inspect_refuse_in_one_line(engine: Path, capsys: pytest.Capt
         lines = captured.err.strip().splitlines()
         assert lines[-1].startswith("error: ") and "'../../etc/passwd' is not inside" in lines[-1]
         assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_the_drafter_is_recorded_only_when_chosen(engine: Path) -> None:
+    """--speculative ngram[:K] in the manifest (and in the engine id); absent otherwise, so
+    engines built without it keep their manifests and ids."""
+    from contract.speculative import Speculative
+
+    m = read_manifest(engine)
+    assert m.speculative is None and "speculative" not in m.to_dict()
+    write_manifest(engine, dataclasses.replace(m, speculative=Speculative("ngram", 6)))
+    assert read_manifest(engine).speculative == Speculative("ngram", 6)
+    assert json.loads((engine / "manifest.json").read_text())["speculative"] == {
+        "method": "ngram", "num_tokens": 6}
+    common = dict(source_digest="d" * 64, backend="aoti", tp=1, dtype="bfloat16",
+                  target=Target(device="cpu", arch="x86_64", isa="avx2"),
+                  profile=BuildProfile(), toolchain={})  # fmt: skip
+    plain = engine_inputs(**common)
+    assert engine_inputs(**common, speculative=None) == plain
+    assert engine_id(engine_inputs(**common, speculative=Speculative("ngram", 4))) != \
+        engine_id(plain)
+    data = json.loads((engine / "manifest.json").read_text())
+    data["speculative"] = {"method": "eagle", "num_tokens": 4}
+    _rewrite(engine, data)
+    _refused(engine)

@@ -109,6 +109,10 @@ EXPECTED = {
         ("counter", "Sequences started from a sibling's prefill (n > 1, best_of).", ()),
     "llmserve_kv_blocks_copied_total":
         ("counter", "KV blocks copied on write when a sequence forked.", ()),
+    "llmserve_spec_decode_num_draft_tokens_total":
+        ("counter", "Drafted tokens verified by speculative decoding.", ()),
+    "llmserve_spec_decode_num_accepted_tokens_total":
+        ("counter", "Drafted tokens the target model accepted.", ()),
     "llmserve_decode_steps_total": ("counter", "Engine steps that only decoded.", ()),
     "llmserve_decode_step_seconds_total":
         ("counter", "Seconds in engine steps that only decoded (schedule to sampled tokens).",
@@ -279,6 +283,11 @@ def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
     page = parse(render(m))
     assert page.value("llmserve_prompt_tokens_computed_total") == 45.0
     assert page.value("llmserve_forked_sequences_total") == 3.0
+    m.refresh(ExecutorStats(extra={"spec_decode_num_draft_tokens_total": 20.0,
+                                   "spec_decode_num_accepted_tokens_total": 12.0}), [])
+    page = parse(render(m))
+    assert page.value("llmserve_spec_decode_num_draft_tokens_total") == 20.0
+    assert page.value("llmserve_spec_decode_num_accepted_tokens_total") == 12.0
 
 
 def test_gc_pauses_are_mirrored_by_generation_from_the_process_totals() -> None:

@@ -1,0 +1,54 @@
+"""Speculative decoding through the HTTP server: `serve launch --speculative ngram:4` on the
+session's TP=2 engine answers greedy requests exactly as transformers does (the prompt
+repeats itself, so drafts are verified and accepted), counts drafts on /metrics and shows
+the drafter on /v1/engine."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import MODEL, Reference
+from tests.e2e.harness import Server, launch
+
+PROMPT = "one two three four five six. one two three four five six. one two three"
+
+
+@pytest.fixture(scope="module")
+def spec_server(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = launch(engine_dir, tmp_path_factory.mktemp("spec"), args=("--speculative", "ngram:4"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
+
+
+def counter(page: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", page, re.M)
+    assert m, f"{name} not on /metrics"
+    return float(m.group(1))
+
+
+def test_greedy_completions_equal_transformers_with_drafts_accepted(
+        spec_server: Server, reference: Reference) -> None:
+    client = spec_server.client()
+    for prompt, n in ((PROMPT, 40), ("The quick brown fox", 24)):
+        want = reference.completion(prompt, n)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                        temperature=0)
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == want.finish_reason
+    # a sampled request decodes one token at a time and still answers
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                    temperature=0.8, seed=1)
+    assert got.usage is not None and got.usage.completion_tokens >= 1
+    page = spec_server.metrics()
+    drafted = counter(page, "llmserve_spec_decode_num_draft_tokens_total")
+    accepted = counter(page, "llmserve_spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= drafted
+    report = spec_server.call("GET", "/v1/engine").json()
+    assert report["speculative"] == {"drafter": "ngram:4", "from": "--speculative"}

@@ -1,0 +1,401 @@
+"""Speculative decoding on rank 0: the n-gram drafter, the scheduler's verify entries and
+their rollback (computed tokens, blocks, prefix cache), greedy acceptance, and the plan's
+new fields on the wire."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from array import array
+
+import pytest
+
+from contract.speculative import Speculative
+from runtime.core.plan import NULL_BLOCK, ScheduledSeq, StepPlan
+from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.sequence import Sequence
+from runtime.core.spec import NgramDrafter, accept_greedy, speculable
+from runtime.core.types import GuidedSpec, SamplingParams
+from runtime.dist.wire import plan_from_wire, plan_to_wire
+
+EOS = 0
+VOCAB = 12
+
+
+def next_token(tokens: list[int]) -> int:
+    """A deterministic 'model' that repeats itself: the next token depends on the last two
+    only, so outputs fall into cycles and prompt lookup drafts get accepted."""
+    digest = hashlib.blake2b(array("q", tokens[-2:]).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+# ---- the drafter ------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_match() -> None:
+    d = NgramDrafter(3)
+    # last 3 tokens (1 2 3) occurred at the start: propose what followed them
+    assert d.propose([1, 2, 3, 9, 8, 7, 5, 1, 2, 3]) == [9, 8, 7]
+    assert d.propose([1, 2, 3, 9, 8, 7, 5, 1, 2, 3], k=2) == [9, 8]
+    # no 3-gram or 2-gram match: falls back to the last token alone (4 -> 6)
+    assert d.propose([4, 6, 5, 5, 7, 4]) == [6, 5, 5]
+    assert d.propose([1, 2, 3]) == []  # nothing repeats
+    assert d.propose([5]) == []
+    assert d.propose([1, 2, 1, 2], k=0) == []
+
+
+def test_ngram_prefers_the_most_recent_match_with_k_tokens_after_it() -> None:
+    d = NgramDrafter(2)
+    # 7 8 occurs twice before the end: the later one (followed by 3 4) wins
+    assert d.propose([7, 8, 1, 1, 7, 8, 3, 4, 0, 7, 8]) == [3, 4]
+    # the most recent match is too close to the end for K tokens: the earliest serves
+    assert d.propose([5, 5, 5, 5, 5], k=3) == [5, 5]  # n=3 at 1: 1 token follows, at 0: 2
+    seq = [3, 1, 2, 9, 9, 9, 3, 1, 2]
+    assert d.propose(seq, k=4) == [9, 9, 9, 3]
+
+
+def test_ngram_matches_whole_tokens_only() -> None:
+    # 256 = bytes 00 01 00 00; a byte-level match straddling two ids must not count
+    d = NgramDrafter(2, n_max=1)
+    assert d.propose([1, 256, 7, 1]) == [256, 7]
+    assert d.propose([0x01000000, 0, 5, 1]) == []
+
+
+def test_accept_greedy_and_speculable() -> None:
+    assert accept_greedy([4, 5, 6], [4, 5, 6]) == 3
+    assert accept_greedy([4, 5, 6], [4, 9, 6]) == 1
+    assert accept_greedy([4, 5, 6], [1, 5, 6]) == 0
+    greedy = SamplingParams(temperature=0.0)
+    assert speculable(greedy, 0, True)
+    assert not speculable(SamplingParams(temperature=0.7), 5, True)
+    assert not speculable(SamplingParams(temperature=0.0, logprobs=1), 5, True)
+    assert not speculable(SamplingParams(temperature=0.0, n=2), 5, True)
+    assert not speculable(SamplingParams(temperature=0.0, repetition_penalty=1.1), 5, True)
+    assert not speculable(SamplingParams(temperature=0.0, guided=GuidedSpec("json_object")),
+                          5, True)
+    # min_tokens masks stop tokens (a processor) until it is reached
+    assert not speculable(SamplingParams(temperature=0.0, min_tokens=3), 2, True)
+    assert speculable(SamplingParams(temperature=0.0, min_tokens=3), 3, True)
+
+
+def test_speculative_config_parses_and_validates() -> None:
+    assert Speculative.parse("off") is None
+    assert Speculative.parse("ngram") == Speculative("ngram", 4)
+    assert Speculative.parse("ngram:7") == Speculative("ngram", 7)
+    assert str(Speculative("ngram", 3)) == "ngram:3"
+    assert Speculative.from_json(Speculative("ngram", 3).to_json()) == Speculative("ngram", 3)
+    for bad in ("ngram:0", "ngram:x", "draft", "ngram:99"):
+        with pytest.raises(ValueError):
+            Speculative.parse(bad)
+
+
+# ---- the scheduler with a mirror runner -------------------------------------------------
+
+
+class SpecMirror:
+    """The runners' bookkeeping in pure Python, in the documented order, with a KV store in
+    which every slot records the prefix that wrote it (drafts included). Returns, for each
+    sampled entry, the model's token at every verified position."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.tokens: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}
+        self.kv: dict[int, tuple[int, ...]] = {}
+
+    def slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.bs] * self.bs + pos % self.bs
+
+    def execute(self, plan: StepPlan) -> dict[int, list[int]]:
+        for sid in plan.freed_seq_ids:
+            del self.tokens[sid], self.tables[sid]
+        for new in plan.new_seqs:
+            self.tokens[new.seq_id], self.tables[new.seq_id] = list(new.token_ids), []
+        for sid, toks in plan.accepted_tokens.items():
+            self.tokens[sid].extend(toks)
+        for sid, tok in plan.appended_tokens.items():
+            self.tokens[sid].append(tok)
+        for sid, n in plan.block_table_lens.items():
+            del self.tables[sid][n:]
+        out: dict[int, list[int]] = {}
+        for s in plan.scheduled:
+            table = self.tables[s.seq_id]
+            table.extend(s.new_block_ids)
+            known = self.tokens[s.seq_id]
+            tokens = known + s.draft_token_ids
+            end = s.num_computed_tokens + s.num_new_tokens
+            assert end == len(tokens) if s.sample else end < len(known)
+            assert len(table) == -(-end // self.bs), "the table covers exactly the step"
+            assert NULL_BLOCK not in table
+            for pos in range(s.num_computed_tokens):  # reads: never a rejected draft
+                assert self.kv.get(self.slot(table, pos)) == tuple(tokens[:pos + 1])
+            for pos in range(s.num_computed_tokens, end):
+                self.kv[self.slot(table, pos)] = tuple(tokens[:pos + 1])
+            if s.sample:
+                k = len(s.draft_token_ids)
+                out[s.seq_id] = [next_token(tokens[:len(known) + i]) for i in range(k + 1)]
+        return out
+
+
+def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, seed: int = 0
+        ) -> tuple[dict[int, tuple[list[int], str]], Scheduler]:
+    """Drive the scheduler to the end; acceptance as the engine does it."""
+    rng = random.Random(seed)
+    sched, mirror = Scheduler(cfg), SpecMirror(cfg.block_size)
+    pending = list(enumerate(reqs))
+    results: dict[int, tuple[list[int], str]] = {}
+    steps = 0
+    while pending or sched.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i, (prompt, params) = pending.pop(0)
+                sched.add(Sequence(i, f"r{i}", list(prompt), params))
+        plan = sched.schedule()
+        sched.block_manager.check_integrity()
+        assert plan.num_tokens <= cfg.max_num_tokens
+        assert (sum(s.sample + s.prompt_logits for s in plan.scheduled) + plan.num_draft_rows
+                <= cfg.logit_rows)
+        wire = plan_from_wire(plan_to_wire(plan))
+        assert wire == plan
+        targets = mirror.execute(wire)
+        sampled, accepted = {}, {}
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            t = targets[s.seq_id]
+            a = accept_greedy(s.draft_token_ids, t)
+            sampled[s.seq_id] = t[a]
+            if s.draft_token_ids:
+                accepted[s.seq_id] = s.draft_token_ids[:a]
+        for seq in sched.update(plan, sampled, None, accepted):
+            if seq.finish_reason is not None:
+                results[seq.seq_id] = (list(seq.output_token_ids), seq.finish_reason)
+        sched.block_manager.check_integrity()
+        for seq in sched.running:  # no block is held beyond the computed tokens
+            assert len(seq.block_ids) == sched.block_manager.blocks_needed(
+                seq.num_computed_tokens)
+        steps += 1
+        assert steps < 20_000
+    plan = sched.schedule()
+    mirror.execute(plan)
+    sched.update(plan, {})
+    assert sched.block_manager.num_used == 0
+    return results, sched
+
+
+def expected(prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    tokens, out = list(prompt), []
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in stop:
+            return out, "stop"
+        if len(out) >= params.max_tokens:
+            return out, "length"
+
+
+def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 30), temperature=0.0 if rng.random() < 0.8 else 0.5,
+            ignore_eos=rng.random() < 0.7,
+            stop_token_ids=(rng.randrange(1, VOCAB),) if rng.random() < 0.3 else ())
+        out.append((prompt, params))
+    return out
+
+
+def config(**kw: object) -> SchedulerConfig:
+    base: dict[str, object] = dict(max_batch_size=8, max_num_tokens=64, block_size=4,
+                                   num_blocks=1 + 200, max_seq_len=64, eos_token_ids=(EOS,),
+                                   speculative=Speculative("ngram", 4))
+    base.update(kw)
+    return SchedulerConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kw", [
+    {},
+    dict(enable_prefix_caching=True),
+    dict(max_num_tokens=10, num_blocks=1 + 24, enable_prefix_caching=True),  # preemption
+    dict(block_size=1, speculative=Speculative("ngram", 7)),
+    dict(max_batch_size=4, max_num_tokens=12, max_logit_rows=6),
+], ids=["roomy", "cache", "tight-cache", "block1", "rows"])
+def test_outputs_equal_one_token_decoding(seed: int, kw: dict[str, object]) -> None:
+    reqs = requests(seed, 30)
+    results, sched = run(config(**kw), reqs, seed=seed)
+    assert results == {i: expected(p, sp) for i, (p, sp) in enumerate(reqs)}
+    stats = sched.stats()
+    assert stats.spec_draft_tokens_total > 0
+    assert 0 < stats.spec_accepted_tokens_total <= stats.spec_draft_tokens_total
+
+
+def test_without_a_drafter_nothing_is_drafted() -> None:
+    reqs = requests(0, 10)
+    results, sched = run(config(speculative=None), reqs)
+    assert results == {i: expected(p, sp) for i, (p, sp) in enumerate(reqs)}
+    assert sched.stats().spec_draft_tokens_total == 0
+
+
+# ---- explicit rollback cases ------------------------------------------------------------
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prefill(sched: Scheduler, prompt: list[int], first: int, **params: object) -> Sequence:
+    seq = Sequence(0, "r0", list(prompt), SamplingParams(**{**GREEDY, **params}))  # type: ignore[arg-type]
+    sched.add(seq)
+    plan = sched.schedule()
+    sched.update(plan, {0: first})
+    return seq
+
+
+def test_rejected_drafts_free_their_blocks_and_runners_cut_their_tables() -> None:
+    sched = Scheduler(config(block_size=4, speculative=Speculative("ngram", 4)))
+    bm = sched.block_manager
+    # prompt 1 2 3 4 5 6 + sampled 1: the drafter matches "1" and proposes 2 3 4 5
+    seq = prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20)
+    assert seq.block_ids and len(seq.block_ids) == 2  # 6 prompt tokens
+    plan = sched.schedule()
+    (entry,) = plan.scheduled
+    assert entry.draft_token_ids == [2, 3, 4, 5]
+    assert (entry.num_computed_tokens, entry.num_new_tokens, entry.sample) == (6, 5, True)
+    assert len(entry.new_block_ids) == 1 and len(seq.block_ids) == 3  # positions 6..10
+    used = bm.num_used
+    # the target agrees with the first draft only: 1 accepted, then its own 9
+    sched.update(plan, {0: 9}, None, {0: [2]})
+    assert seq.output_token_ids == [1, 2, 9]
+    assert seq.num_computed_tokens == 8  # the prompt, the 1 and the accepted 2
+    assert len(seq.block_ids) == 2 and bm.num_used == used - 1  # block 3 held only rejects
+    bm.check_integrity()
+    nxt = sched.schedule()
+    assert nxt.accepted_tokens == {0: [2]} and nxt.appended_tokens == {0: 9}
+    assert nxt.block_table_lens == {0: 2}
+    (e2,) = nxt.scheduled
+    assert e2.num_computed_tokens == 8
+
+
+def test_all_accepted_keeps_the_blocks_and_appends_the_bonus() -> None:
+    sched = Scheduler(config(block_size=4, speculative=Speculative("ngram", 4)))
+    seq = prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20)
+    plan = sched.schedule()
+    sched.update(plan, {0: 6}, None, {0: [2, 3, 4, 5]})
+    assert seq.output_token_ids == [1, 2, 3, 4, 5, 6]
+    assert seq.num_computed_tokens == 11 and len(seq.block_ids) == 3
+    nxt = sched.schedule()
+    assert nxt.block_table_lens == {} and nxt.accepted_tokens == {0: [2, 3, 4, 5]}
+
+
+def test_prefix_cache_never_registers_a_block_with_a_rejected_draft() -> None:
+    sched = Scheduler(config(block_size=4, enable_prefix_caching=True,
+                             speculative=Speculative("ngram", 4)))
+    bm = sched.block_manager
+    # prompt of 3 + first token 1: the verify step computes positions 3..6, block 0's last
+    # slot and block 1's first three
+    seq = prefill(sched, [1, 2, 3], 1, max_tokens=20)
+    assert bm.num_cached == 0
+    plan = sched.schedule()
+    (entry,) = plan.scheduled
+    assert entry.draft_token_ids == [2, 3, 1]  # the whole sequence after the first "1"
+    # nothing accepted: block 1 held only rejected drafts (freed); block 0 is full of the
+    # prompt and the first token (registered)
+    sched.update(plan, {0: 8}, None, {0: []})
+    assert seq.num_computed_tokens == 4  # block 0 full of prompt + first token: registered
+    assert bm.num_cached == 1
+    assert bm.cached_block(seq.block_hashes[0], [1, 2, 3, 1]) == seq.block_ids[0]
+    plan = sched.schedule()
+    sched.update(plan, {0: 5}, None, {0: []} if plan.scheduled[0].draft_token_ids else None)
+    bm.check_integrity()
+    # whatever is registered holds exactly the sequence's own tokens
+    tokens = seq.token_ids
+    for i, h in enumerate(seq.block_hashes[:seq.num_registered_blocks]):
+        assert bm.cached_block(h, tokens[4 * i:4 * i + 4]) == seq.block_ids[i]
+    assert seq.num_registered_blocks == seq.num_computed_tokens // 4
+
+
+def test_stop_token_among_accepted_drafts_ends_the_sequence_there() -> None:
+    sched = Scheduler(config(block_size=4, speculative=Speculative("ngram", 4)))
+    seq = prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20, stop_token_ids=(3,))
+    plan = sched.schedule()
+    assert plan.scheduled[0].draft_token_ids == [2, 3, 4, 5]
+    out = sched.update(plan, {0: 6}, None, {0: [2, 3, 4, 5]})
+    assert out == [seq] and seq.finish_reason == "stop"
+    assert seq.output_token_ids == [1, 2, 3]
+    assert sched.block_manager.num_used == 0 and not sched.has_unfinished()
+    sched.block_manager.check_integrity()
+    nxt = sched.schedule()
+    assert nxt.freed_seq_ids == [0] and nxt.accepted_tokens == {} and nxt.appended_tokens == {}
+
+
+def test_drafts_stop_one_short_of_max_tokens() -> None:
+    sched = Scheduler(config(block_size=4, speculative=Speculative("ngram", 4)))
+    prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=3)
+    plan = sched.schedule()
+    # 2 tokens left to produce: 1 draft + the token after it
+    assert plan.scheduled[0].draft_token_ids == [2]
+    (seq,) = sched.update(plan, {0: 3}, None, {0: [2]})
+    assert seq.output_token_ids == [1, 2, 3] and seq.finish_reason == "length"
+
+
+def test_no_drafts_for_sampled_requests_or_without_free_blocks() -> None:
+    sched = Scheduler(config(speculative=Speculative("ngram", 4)))
+    prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20, temperature=0.8)
+    plan = sched.schedule()
+    assert plan.scheduled[0].draft_token_ids == [] and plan.scheduled[0].num_new_tokens == 1
+    # one usable block beyond the prompt's two... none: the decode fits, drafts do not
+    sched = Scheduler(config(block_size=4, num_blocks=1 + 2, max_seq_len=8))
+    prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=2)
+    plan = sched.schedule()
+    assert plan.scheduled[0].num_new_tokens == 1 and plan.scheduled[0].draft_token_ids == []
+
+
+def test_update_checks_accepted_tokens() -> None:
+    sched = Scheduler(config(block_size=4))
+    prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20)
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="not a prefix"):
+        sched.update(plan, {0: 6}, None, {0: [3]})
+
+
+def test_runner_inputs_for_a_verify_entry() -> None:
+    from runtime.executors.runner import SeqState, prepare_inputs
+
+    state = SeqState([10, 11, 12, 13, 14], [1, 2])
+    entry = ScheduledSeq(0, 4, 4, [], True, 0, [20, 21, 22])
+    args, sampled = prepare_inputs([(state, entry)], 4)
+    ids, pos, slots, *_, logits_index = args
+    assert ids.tolist() == [14, 20, 21, 22] and pos.tolist() == [4, 5, 6, 7]
+    assert slots.tolist() == [8, 9, 10, 11]
+    # the sampled row (after the last draft) first, then the rows before each draft
+    assert logits_index.tolist() == [3, 0, 1, 2] and sampled == [0]
+    assert state.token_ids == [10, 11, 12, 13, 14]  # drafts are not the runner's tokens
+
+
+def test_the_runner_pads_prompt_steps_but_not_verify_steps() -> None:
+    import torch
+
+    from runtime.core.plan import NewSeq
+    from runtime.executors.runner import ModelRunner
+
+    seen: list[int] = []
+
+    def step_fn(ids: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append(ids.shape[0])
+        logits_index = rest[-3]
+        assert isinstance(logits_index, torch.Tensor)
+        return torch.zeros(logits_index.shape[0], 8)
+
+    runner = ModelRunner(step_fn, torch.zeros(1, 2, 8, 4, 1, 2), 4, token_bucket=16,
+                         max_tokens=64)
+    # a 7-token prompt chunk: padded to the bucket
+    runner.execute(StepPlan(0, new_seqs=[NewSeq(0, [1, 2, 3, 4, 5, 6, 7])],
+                            scheduled=[ScheduledSeq(0, 0, 7, [1, 2], True)]))
+    # a verify step of 1 + 5 tokens: its exact shape, and a logits row per draft
+    sampled, logits = runner.execute(StepPlan(1, appended_tokens={0: 9}, scheduled=[
+        ScheduledSeq(0, 7, 6, [3, 4], True, 0, [4, 5, 6, 7, 8])]))
+    assert seen == [16, 6]
+    assert sampled == [0] and logits is not None and logits.shape[0] == 6
