@@ -45,10 +45,13 @@ PROMPTS = {
 def make_runner(engine_dir: Path | None, hf_dir: Path | None) -> tuple[Any, Any, Any]:
     from contract.manifest import read_manifest
     from contract.profile import BuildProfile
-    from runtime.executors.torch import runner_from_checkpoint, runner_from_engine
+    from runtime.executors.torch import (
+        TOKEN_BUCKET,
+        runner_from_checkpoint,
+        runner_from_engine,
+    )
     from runtime.models.parallel import TPContext
     from runtime.store.files import EngineFiles
-    from serve.backends.torch import TOKEN_BUCKET
 
     if engine_dir is not None:
         m = read_manifest(engine_dir)
@@ -67,8 +70,8 @@ def make_runner(engine_dir: Path | None, hf_dir: Path | None) -> tuple[Any, Any,
         runner, cfg = runner_from_checkpoint(hf_dir, TPContext(), "bfloat16", blocks,
                                              p.tokens_per_block)
         label = "eager bfloat16 from the checkpoint"
-    # As the server runs it: steps of more than a few tokens padded to the token bucket.
-    runner.token_bucket, runner.max_tokens = TOKEN_BUCKET, p.max_num_tokens
+        # As an engine runs it (engine_runner): prompt steps padded to the token bucket.
+        runner.token_bucket, runner.max_tokens = TOKEN_BUCKET, p.max_num_tokens
     return runner, (cfg, p, blocks), label
 
 
