@@ -1,5 +1,6 @@
 """`make demo`: build (or reuse) the SmolLM2 demo engine, serve it under mpirun, ask once
-(`make demo-remote`: from an S3 store, a local SeaweedFS, by tag).
+(`make demo-remote`: from an S3 store, a local SeaweedFS, by tag). `--model gemma3`: the same
+with Gemma 3 270M (a base model, so a completion rather than a chat turn).
 
 Prints the answer and the cold-start table, then shuts the server down the way an
 orchestrator would (SIGTERM to mpirun) and checks that every rank exited 0.
@@ -20,13 +21,15 @@ import urllib.request
 from pathlib import Path
 
 from contract.errors import BuildError
-from demo.model import ensure_demo_gguf, ensure_demo_model
+from demo.model import MODELS, ensure_demo_gguf, ensure_demo_model
 from pipeline.build import build_engine
 from pipeline.config import BuildConfig
 from pipeline.progress import Progress
 from serve.gates import describe_load
 
 QUESTION = "What is the capital of France?"
+PROMPT = "The capital of France is"  # for a base model, which continues text
+MAX_TOKENS = 48
 
 
 def _free_port() -> int:
@@ -59,6 +62,9 @@ def cold_start_table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m demo")
+    ap.add_argument("--model", choices=MODELS, default="smollm2",
+                    help="smollm2 (SmolLM2-135M-Instruct, asked the question as a chat) or gemma3 "
+                    "(Gemma 3 270M base, which completes the prompt)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--backend", default="aoti")
     ap.add_argument("--dtype", default="bfloat16")
@@ -71,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     progress = Progress(sys.stderr)
     try:
-        model = ensure_demo_gguf(progress) if args.quant != "none" else ensure_demo_model(progress)
+        if args.quant != "none" and args.model != "smollm2":
+            raise BuildError(f"--quant {args.quant} is the SmolLM2 wheel's Q4_1 file",
+                             "use it with --model smollm2")
+        model = (ensure_demo_gguf(progress) if args.quant != "none"
+                 else ensure_demo_model(progress, model=args.model))
         result = build_engine(BuildConfig(model=str(model), tp=args.tp, backend=args.backend,
                                           dtype=args.dtype, store=args.store, quant=args.quant),
                               progress)
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = result.engine_dir
     print(f"engine: {engine} ({'reused' if result.cache_hit else 'built'})", flush=True)
     if not args.remote:
-        return serve(str(engine), args.tp, [], None)
+        return serve(str(engine), args.tp, [], None, chat=args.model == "smollm2")
     from demo.seaweed import SeaweedS3
     from pipeline.remote import describe_push, push
 
@@ -97,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
         print(describe_push(pushed), flush=True)
         ref = f"s3://demo/engines/{pushed.url.rsplit('/', 2)[-2]}@demo"
-        return serve(ref, args.tp, ["--engine-cache", str(work / "cache")], env)
+        return serve(ref, args.tp, ["--engine-cache", str(work / "cache")], env,
+                     chat=args.model == "smollm2")
 
 
-def serve(engine: str, tp: int, extra: list[str], env: dict[str, str] | None) -> int:
-    """`serve launch` the engine, wait for ready, ask once, print the cold start, stop."""
+def serve(engine: str, tp: int, extra: list[str], env: dict[str, str] | None,
+          chat: bool = True) -> int:
+    """`serve launch` the engine, wait for ready, ask once (the question as a chat turn, or
+    the prompt as a completion for a base model), print the cold start, stop."""
     port = _free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="serve-demo-"))
     # `serve launch` on its own starts `mpirun -n TP` and owns it, as in a container.
@@ -124,13 +137,22 @@ def serve(engine: str, tp: int, extra: list[str], env: dict[str, str] | None) ->
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         t1 = time.monotonic()
-        reply = client.chat.completions.create(
-            model=client.models.list().data[0].id, temperature=0, max_tokens=48,
-            messages=[{"role": "user", "content": QUESTION}])
-        answer = reply.choices[0].message.content
+        name = client.models.list().data[0].id
+        if chat:
+            question = QUESTION
+            reply = client.chat.completions.create(
+                model=name, temperature=0, max_tokens=MAX_TOKENS,
+                messages=[{"role": "user", "content": QUESTION}])
+            answer, usage = reply.choices[0].message.content, reply.usage
+        else:
+            question = PROMPT
+            done = client.completions.create(model=name, prompt=PROMPT, temperature=0,
+                                              max_tokens=MAX_TOKENS)
+            # One line even when the continuation has line breaks: the text as JSON.
+            answer, usage = json.dumps(done.choices[0].text), done.usage
         _, report = _get(f"http://127.0.0.1:{port}/v1/engine")
-        print(f"\nQ: {QUESTION}\nA: {answer}   ({time.monotonic() - t1:.2f} s, "
-              f"{reply.usage.completion_tokens} tokens)\n")
+        print(f"\nQ: {question}\nA: {answer}   ({time.monotonic() - t1:.2f} s, "
+              f"{usage.completion_tokens if usage else '?'} tokens)\n")
         print(f"cold start: launch -> ready in {ready_s:.1f} s (mpirun, imports, then the gates)")
         print(cold_start_table(report), flush=True)
     finally:
