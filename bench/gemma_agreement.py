@@ -30,6 +30,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -189,11 +190,22 @@ def agreement(res: dict[str, Any], args: argparse.Namespace, gguf: Path, hf_dir:
     res["agreement_text"] = {**source, "tokens": sum(len(w) - 1 for w in wins),
                              "windows": len(wins), "window": args.window}
     t0 = time.perf_counter()
-    with serve(ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1"), out / "logs") as s:
-        port = s.spec.port
-        ours = [p for w in wins for p in ours_window(port, model_id(port), w, args.top, ids_of)]
-    res["commands"].append(s.spec.command)
+    cache = args.ours_positions
+    if cache is not None and cache.exists():  # ours measured earlier (same text and engine)
+        ours = [{int(k): v for k, v in d.items()} for d in json.loads(cache.read_text())]
+        res["notes"].append(f"our side's positions read from {cache} (measured earlier)")
+    else:
+        spec = ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1")
+        with serve(spec, out / "logs") as s:
+            port = s.spec.port
+            ours = [p for w in wins for p in ours_window(port, model_id(port), w, args.top,
+                                                         ids_of)]  # fmt: skip
+        res["commands"].append(spec.command)
+        if cache is not None:
+            cache.write_text(json.dumps(ours))
     print(f"ours: {len(ours)} positions in {time.perf_counter() - t0:.0f} s", flush=True)
+    if "llama" in args.skip_side:
+        return
     t0 = time.perf_counter()
     spec = llama_agreement_spec(gguf, common.free_port(), args.window + 16, args.threads)
     with serve(spec, out / "logs") as s:
@@ -388,6 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=300.0, help="seconds per served system")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-latest", action="store_true")
+    ap.add_argument("--ours-positions", type=Path, default=None,
+                    help="our side's per-position top-N: read when the file exists, else "
+                         "measured and written there")
+    ap.add_argument("--skip-side", nargs="*", default=[], choices=("llama",),
+                    help="agreement: measure our side only (with --ours-positions)")
+    ap.add_argument("--merge", type=Path, nargs="*", default=[],
+                    help="gemma3.json of earlier runs: their sections this run skips are kept")
     args = ap.parse_args(argv)
 
     from demo.model import ensure_gemma3_gguf
@@ -400,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = resolve(str(gguf)).local_dir  # the build's own dequantization (a cache hit)
     res: dict[str, Any] = {"started_utc": stamp, "machine": common.machine_info(),
                            "loadavg_start": common.loadavg(), "gguf": gguf.name,
-                           "top": args.top, "commands": [f"python -m bench.gemma_agreement "
-                                                         f"{' '.join(argv or [])}".strip()],
+                           "top": args.top, "commands": [common.cmdline(
+                               ["python", "-m", "bench.gemma_agreement", *(argv or sys.argv[1:])])],
                            "notes": [], "systems": {}}  # fmt: skip
     run = _Sh(res)
     given = {1: args.engine_tp1, 2: args.engine_tp2}
@@ -414,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     if not common.llama_server_bin().exists():
         res["notes"].append(f"llama-server missing: {common.peer_status('llama')}")
     try:
-        if "agreement" not in args.skip and 1 in engines and common.llama_server_bin().exists():
+        peer = common.llama_server_bin().exists() or "llama" in args.skip_side
+        if "agreement" not in args.skip and 1 in engines and peer:
             try:
                 agreement(res, args, gguf, hf_dir, engines[1], out)
             except Exception as exc:
@@ -432,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         res["notes"].append("interrupted; the report holds what was measured")
     finally:
+        for path in args.merge:
+            _merge(res, json.loads(path.read_text()), path)
         (out / "gemma3.json").write_text(json.dumps(res, indent=2, default=str))
         chart(res, out)
         print(render(res, out))
@@ -441,6 +463,23 @@ def main(argv: list[str] | None = None) -> int:
                 if (out / f).exists():
                     shutil.copy2(out / f, latest / f)
     return 0
+
+
+def _merge(res: dict[str, Any], other: dict[str, Any], path: Path) -> None:
+    """Sections of an earlier run's results that this run did not measure."""
+    taken = []
+    for key in ("agreement", "agreement_text", "llama_perplexity", "workload"):
+        if key in other and key not in res:
+            res[key] = other[key]
+            taken.append(key)
+    for name, entry in other.get("systems", {}).items():
+        if name not in res["systems"]:
+            res["systems"][name] = entry
+            taken.append(name)
+    if taken:
+        res["commands"] += [c for c in other.get("commands", []) if c not in res["commands"]]
+        res["notes"].append(f"{', '.join(taken)}: from the run of {other['started_utc']} "
+                            f"(load average {other.get('loadavg_start', '?')} at its start)")
 
 
 class _Sh:
