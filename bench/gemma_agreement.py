@@ -28,6 +28,7 @@ import argparse
 import http.client
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -90,14 +91,34 @@ def summarize(ref: Sequence[Mapping[int, float]], ours: Sequence[Mapping[int, fl
 
 def text_to_id(tokenizer: Any) -> dict[str, int | None]:
     """Our server names top_logprobs by token text (each token decoded alone, as
-    serve/api/choices.TokenTexts does): text -> its token id, None where several tokens
-    decode to the same text (byte-fallback pieces): those are left out of the comparison."""
+    serve/api/choices.TokenTexts does): text -> its token id. A byte-fallback token
+    (`<0x49>`) decodes to the same text as the ordinary token of that character ('I'), and
+    the server keeps the more probable of the two, which is the ordinary one: the text maps
+    to it. Texts several ordinary tokens share (none in Gemma 3's vocabulary) map to None
+    and are left out of the comparison."""
     n = len(tokenizer)
     texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+    return text_map(texts, [bool(_BYTE_PIECE.match(p or "")) for p in pieces])
+
+
+_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def text_map(texts: Sequence[str], is_byte: Sequence[bool]) -> dict[str, int | None]:
+    """text -> the one ordinary token id decoding to it (byte-fallback ids only where no
+    ordinary token has the text); None where the text is ambiguous."""
     out: dict[str, int | None] = {}
     for i, text in enumerate(texts):
+        if is_byte[i]:
+            continue
         out[text] = None if text in out else i
+    for i, text in enumerate(texts):
+        if is_byte[i] and text not in out:
+            out[text] = i
+        elif is_byte[i] and out.get(text) is not None and is_byte[out[text]]:  # type: ignore[index]
+            out[text] = None
     return out
 
 

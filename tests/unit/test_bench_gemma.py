@@ -61,3 +61,12 @@ def test_summarize_counts_top1_agreement() -> None:
 def test_windows_open_with_bos_and_cover_the_tokens() -> None:
     w = windows(list(range(10, 20)), bos=2, tokens=7, window=3)
     assert w == [[2, 10, 11, 12], [2, 13, 14, 15], [2, 16]]
+
+
+def test_a_text_maps_to_its_ordinary_token_not_its_byte_fallback() -> None:
+    from bench.gemma_agreement import text_map
+
+    texts = ["I", "<0x49>:I", "A", "\ufffd", "\ufffd", "x", "x"]
+    texts[1] = "I"
+    m = text_map(texts, [False, True, False, True, True, False, False])
+    assert m == {"I": 0, "A": 2, "\ufffd": None, "x": None}
