@@ -327,7 +327,8 @@ def render(res: dict[str, Any], out: Path) -> str:
             f"KL is over the tokens both top-{res['top']} lists hold, plus one bucket for "
             "the rest of each side's mass: a lower bound of the full-vocabulary KL (the "
             "coarse-graining can only lower it), tight when the lists hold most of the mass. "
-            "Tokens our server names by a text several tokens share are left out (bucketed).",
+            "Our server names its top tokens by text: a text maps to its ordinary token, not "
+            "its byte-fallback twin (`<0x49>` also reads 'I').",
             "",
         ]
     elif "agreement_error" in res:
