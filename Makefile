@@ -14,7 +14,7 @@ STORE   ?= engines
 DURATION ?= 180
 ENGINE  ?=
 
-.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-peers soak faults clean
+.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-gemma3 bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -59,6 +59,12 @@ bench-peers: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(if $(QUANT),--quant)
+
+# Gemma 3 270M (issue 35): teacher-forced agreement with llama-server on the wheels' Q4_K_M,
+# llama.cpp's own KL of it against the float model, c=1/c=16 throughput beside llama-server
+# (bench/gemma_agreement.py; needs `bash bench/peers.sh llama` and `bash bench/peers.sh gemma3`).
+bench-gemma3: $(STAMP)
+	$(BIN)/python -m bench.gemma_agreement
 
 # Minutes of mixed, hostile traffic against a TP server, then its invariants (bench/soak.py);
 # without ENGINE, the aoti SmolLM2 demo engine (TP=$(TP), small profile) is built first.

@@ -38,25 +38,26 @@ def _perplexity(argv: list[str]) -> str:
     return out.stdout + out.stderr
 
 
-def run(text: str, ggufs: dict[str, Path], ctx: int, threads: int) -> dict[str, object]:
+def run(text: str, ggufs: dict[str, Path], ctx: int, threads: int, base: Path | None = None,
+        chunks: int = CHUNKS) -> dict[str, object]:
     """{"base": {...}, "rows": [{"scheme", "mean_kl", "top1_agreement_pct", "perplexity"}]}
-    against the bf16 GGUF of `make bench-peers`; rows print as they come."""
+    against `base` (default: the bf16 GGUF of `make bench-peers`); rows print as they come."""
     if not binary().exists():
         raise SystemExit(f"error: {binary()} is missing — run `make bench-peers` first")
-    base = common.gguf_for(common.demo_checkpoint())
+    base = base or common.gguf_for(common.demo_checkpoint())
     if not base.exists():
         raise SystemExit(f"error: {base} is missing — run `make bench-peers` first")
     with tempfile.TemporaryDirectory(prefix="llama-kld-") as tmp:
         text_file, logits = Path(tmp) / "text.txt", Path(tmp) / "base.kld"
         text_file.write_text(text)
-        common_args = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(CHUNKS),
+        common_args = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks),
                        "-t", str(threads)]  # fmt: skip
         log = _perplexity(["-m", str(base), *common_args, "--kl-divergence-base", str(logits)])
         m = _BASE_PPL.search(log)
         result: dict[str, object] = {"base": {"gguf": str(base),
                                               "perplexity": float(m.group(1)) if m else None},
-                                     "ctx": ctx, "chunks": CHUNKS, "rows": []}  # fmt: skip
-        print(f"llama-perplexity --kl-divergence ({CHUNKS} chunks of {ctx}, second halves "
+                                     "ctx": ctx, "chunks": chunks, "rows": []}  # fmt: skip
+        print(f"llama-perplexity --kl-divergence ({chunks} chunks of {ctx}, second halves "
               f"scored), base {base.name}: PPL {result['base']['perplexity']}")  # type: ignore[index]
         print("| llama.cpp | mean KL vs bf16 | top-1 agreement | perplexity |")
         print("|---|---|---|---|")

