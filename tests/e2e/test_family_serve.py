@@ -2,7 +2,9 @@
 `mpirun -n 2`: their greedy completions, streamed and not, are exactly what transformers
 generates in float32. Gemma 3 (sliding and global layers, one KV head replicated on both
 ranks, (1 + w) norms, GeGLU, scaled embeddings) over prompts that run past the sliding
-window; Mixtral and Qwen3-MoE (4 experts, top 2, each expert split over both ranks)."""
+window; Qwen3 (q/k norms, explicit head_dim); Phi-3 (fused qkv and gate_up cut for TP, a
+sliding window on every layer); Mixtral and Qwen3-MoE (4 experts, top 2, each expert split
+over both ranks)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from tests.e2e.harness import Server, launch
 PROMPTS = ("The quick brown fox jumps over the lazy dog", "Grüße aus München, 1 2 3")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "phi3", "mixtral", "qwen3_moe"])
 def family_engine(request: pytest.FixtureRequest,
                   tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     kind = request.param
