@@ -4,6 +4,7 @@ import hashlib
 import pickle
 import random
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -27,12 +28,15 @@ class MirrorRunner:
     """The runner-side bookkeeping in pure Python, applying plans in the documented order.
 
     It keeps its own tokens and block table per sequence, plus a simulated KV store in
-    which every slot records the prefix that wrote it, and checks each scheduled entry
-    against that state.
+    which every slot records the prefix that wrote it (drafted tokens included), and checks
+    each scheduled entry against that state. Verify steps (speculative decoding) too: the
+    drafts a plan accepted join before its appended tokens, and tables are cut to
+    `block_table_lens`.
     """
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, block_size: int,
+                 model: Callable[[list[int]], int] = next_token) -> None:
+        self.block_size, self.model = block_size, model
         self.tokens: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}
         self.kv: dict[int, tuple[int, ...]] = {}
@@ -41,35 +45,48 @@ class MirrorRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> dict[int, int]:
+        """The model's next token for each sampled entry (no drafts)."""
+        return {sid: t[0] for sid, t in self.verify(plan).items()}
+
+    def verify(self, plan: StepPlan) -> dict[int, list[int]]:
+        """For each sampled entry, the model's token at every verified position: after the
+        last known token, then after each of its K drafts (K + 1 tokens)."""
         for sid in plan.freed_seq_ids:
             del self.tokens[sid], self.tables[sid]
         for new in plan.new_seqs:
             assert new.seq_id not in self.tokens
             self.tokens[new.seq_id] = list(new.token_ids)
             self.tables[new.seq_id] = []
+        for sid, toks in plan.accepted_tokens.items():
+            self.tokens[sid].extend(toks)
         for sid, token in plan.appended_tokens.items():
             self.tokens[sid].append(token)
+        for sid, n in plan.block_table_lens.items():
+            del self.tables[sid][n:]
         for s in plan.scheduled:
             self.tables[s.seq_id].extend(s.new_block_ids)
         assert len({s.seq_id for s in plan.scheduled}) == len(plan.scheduled)
         for s in plan.scheduled:  # reads: the cached prefix is this sequence's own
-            tokens, table = self.tokens[s.seq_id], self.tables[s.seq_id]
+            known, table = self.tokens[s.seq_id], self.tables[s.seq_id]
+            tokens = known + s.draft_token_ids
             end = s.num_computed_tokens + s.num_new_tokens
             assert s.num_new_tokens >= 1
             assert end <= len(tokens), "computing a token the runner does not know"
             assert len(table) == -(-end // self.block_size), "table must cover exactly"
             assert NULL_BLOCK not in table
             assert s.sample == (end == len(tokens)), "sample exactly at the last known token"
-            for pos in range(s.num_computed_tokens):
+            for pos in range(s.num_computed_tokens):  # never a rejected draft
                 assert self.kv.get(self._slot(table, pos)) == tuple(tokens[: pos + 1])
-        sampled = {}
+        out: dict[int, list[int]] = {}
         for s in plan.scheduled:  # writes
-            tokens, table = self.tokens[s.seq_id], self.tables[s.seq_id]
+            known, table = self.tokens[s.seq_id], self.tables[s.seq_id]
+            tokens = known + s.draft_token_ids
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 self.kv[self._slot(table, pos)] = tuple(tokens[: pos + 1])
             if s.sample:
-                sampled[s.seq_id] = next_token(tokens)
-        return sampled
+                out[s.seq_id] = [self.model(tokens[: len(known) + i])
+                                 for i in range(len(s.draft_token_ids) + 1)]
+        return out
 
 
 def check_consistent(sched: Scheduler, runner: MirrorRunner) -> None:

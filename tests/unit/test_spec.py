@@ -11,12 +11,13 @@ from array import array
 import pytest
 
 from contract.speculative import Speculative
-from runtime.core.plan import NULL_BLOCK, ScheduledSeq, StepPlan
+from runtime.core.plan import ScheduledSeq, StepPlan
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
 from runtime.core.spec import NgramDrafter, accept_greedy, speculable
 from runtime.core.types import GuidedSpec, SamplingParams
 from runtime.dist.wire import plan_from_wire, plan_to_wire
+from tests.unit.test_scheduler import MirrorRunner
 
 EOS = 0
 VOCAB = 12
@@ -92,56 +93,11 @@ def test_speculative_config_parses_and_validates() -> None:
 # ---- the scheduler with a mirror runner -------------------------------------------------
 
 
-class SpecMirror:
-    """The runners' bookkeeping in pure Python, in the documented order, with a KV store in
-    which every slot records the prefix that wrote it (drafts included). Returns, for each
-    sampled entry, the model's token at every verified position."""
-
-    def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.tokens: dict[int, list[int]] = {}
-        self.tables: dict[int, list[int]] = {}
-        self.kv: dict[int, tuple[int, ...]] = {}
-
-    def slot(self, table: list[int], pos: int) -> int:
-        return table[pos // self.bs] * self.bs + pos % self.bs
-
-    def execute(self, plan: StepPlan) -> dict[int, list[int]]:
-        for sid in plan.freed_seq_ids:
-            del self.tokens[sid], self.tables[sid]
-        for new in plan.new_seqs:
-            self.tokens[new.seq_id], self.tables[new.seq_id] = list(new.token_ids), []
-        for sid, toks in plan.accepted_tokens.items():
-            self.tokens[sid].extend(toks)
-        for sid, tok in plan.appended_tokens.items():
-            self.tokens[sid].append(tok)
-        for sid, n in plan.block_table_lens.items():
-            del self.tables[sid][n:]
-        out: dict[int, list[int]] = {}
-        for s in plan.scheduled:
-            table = self.tables[s.seq_id]
-            table.extend(s.new_block_ids)
-            known = self.tokens[s.seq_id]
-            tokens = known + s.draft_token_ids
-            end = s.num_computed_tokens + s.num_new_tokens
-            assert end == len(tokens) if s.sample else end < len(known)
-            assert len(table) == -(-end // self.bs), "the table covers exactly the step"
-            assert NULL_BLOCK not in table
-            for pos in range(s.num_computed_tokens):  # reads: never a rejected draft
-                assert self.kv.get(self.slot(table, pos)) == tuple(tokens[:pos + 1])
-            for pos in range(s.num_computed_tokens, end):
-                self.kv[self.slot(table, pos)] = tuple(tokens[:pos + 1])
-            if s.sample:
-                k = len(s.draft_token_ids)
-                out[s.seq_id] = [next_token(tokens[:len(known) + i]) for i in range(k + 1)]
-        return out
-
-
 def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, seed: int = 0
         ) -> tuple[dict[int, tuple[list[int], str]], Scheduler]:
     """Drive the scheduler to the end; acceptance as the engine does it."""
     rng = random.Random(seed)
-    sched, mirror = Scheduler(cfg), SpecMirror(cfg.block_size)
+    sched, mirror = Scheduler(cfg), MirrorRunner(cfg.block_size, next_token)
     pending = list(enumerate(reqs))
     results: dict[int, tuple[list[int], str]] = {}
     steps = 0
@@ -157,7 +113,7 @@ def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, s
                 <= cfg.logit_rows)
         wire = plan_from_wire(plan_to_wire(plan))
         assert wire == plan
-        targets = mirror.execute(wire)
+        targets = mirror.verify(wire)
         sampled, accepted = {}, {}
         for s in plan.scheduled:
             if not s.sample:
