@@ -147,7 +147,7 @@ def child_env() -> dict[str, str]:
     """Environment for a child Python of this project: the repo importable, one OpenMP
     thread per rank unless the caller chose otherwise (ranks share the host's cores)."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

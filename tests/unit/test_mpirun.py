@@ -86,3 +86,21 @@ def test_loaded_libmpi_reads_this_process(monkeypatch: pytest.MonkeyPatch) -> No
     got = mpi.loaded_libmpi()
     assert got is None or got.name.startswith("libmpi.so")
     assert os.path.isabs(str(got)) or got is None
+
+
+def test_a_child_python_finds_this_checkout_and_nothing_inside_it() -> None:
+    """child_env puts the repository root first on PYTHONPATH, never a package directory:
+    runtime/ on the path made `import kernels` (transformers' optional hub kernels) find
+    runtime/kernels, and every build's fidelity check was skipped with an ImportError."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = mpi.child_env()
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(repo)
+    probe = ("import importlib.util as u, runtime;"
+             "print(runtime.__file__); print(u.find_spec('kernels') is None or "
+             "'runtime' not in u.find_spec('kernels').origin)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd="/", env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [str(repo / "runtime" / "__init__.py"), "True"], out
