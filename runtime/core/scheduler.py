@@ -186,10 +186,6 @@ class Scheduler:
         seq = self._seqs.get(seq_id)
         if seq is None:
             return False
-        if seq.status is SeqStatus.RUNNING:
-            self._running.remove(seq)
-        else:
-            self._waiting.remove(seq)
         self._finish(seq, reason)
         return True
 
@@ -586,10 +582,6 @@ class Scheduler:
             reason = "length"
         else:
             return None
-        if seq.status is SeqStatus.RUNNING:
-            self._running.remove(seq)
-        else:
-            self._waiting.remove(seq)
         self._finish(seq, reason)
         return reason
 
@@ -658,6 +650,11 @@ class Scheduler:
         self._preemptions += 1
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Out of its queue, its blocks released, finished with `reason`."""
+        if seq.status is SeqStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -195,15 +195,22 @@ def config(**kw: object) -> SchedulerConfig:
 
 def expected(req: Req) -> tuple[list[int], str]:
     """What any schedule must produce for `req`, computed without a scheduler."""
-    tokens, out = list(req.prompt), []
-    stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else {EOS})
+    return reference_output(req.prompt, req.params)
+
+
+def reference_output(prompt: list[int], params: SamplingParams,
+                     model: Callable[[list[int]], int] = next_token) -> tuple[list[int], str]:
+    """Greedy decoding by `model` alone: the tokens and finish reason any schedule (with or
+    without speculation) must reproduce."""
+    tokens, out = list(prompt), []
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
     while True:
-        t = next_token(tokens)
+        t = model(tokens)
         tokens.append(t)
         out.append(t)
         if t in stop:
             return out, "stop"
-        if len(out) >= req.params.max_tokens:
+        if len(out) >= params.max_tokens:
             return out, "length"
 
 

@@ -17,7 +17,7 @@ from runtime.core.sequence import Sequence
 from runtime.core.spec import NgramDrafter, accept_greedy, speculable
 from runtime.core.types import GuidedSpec, SamplingParams
 from runtime.dist.wire import plan_from_wire, plan_to_wire
-from tests.unit.test_scheduler import MirrorRunner
+from tests.unit.test_scheduler import MirrorRunner, reference_output
 
 EOS = 0
 VOCAB = 12
@@ -140,16 +140,7 @@ def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, s
 
 
 def expected(prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
-    tokens, out = list(prompt), []
-    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
-    while True:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if t in stop:
-            return out, "stop"
-        if len(out) >= params.max_tokens:
-            return out, "length"
+    return reference_output(prompt, params, next_token)
 
 
 def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
