@@ -39,9 +39,12 @@ step_llama() {
     if [[ ! -d "$SRC" ]]; then
       local sdist="$CACHE/llama_cpp_python-$LLAMA_VERSION.tar.gz"
       if [[ ! -f "$sdist" ]]; then
-        log "pip download llama-cpp-python==$LLAMA_VERSION (sdist)"
-        "$PYTHON" -m pip download --no-binary :all: --no-deps -d "$CACHE" \
-          "llama-cpp-python==$LLAMA_VERSION" || { record llama "failed: pip download"; return 1; }
+        # The sdist straight from PyPI's JSON API, its sha256 checked: `pip download
+        # --no-binary` prepares the sdist's metadata first (an isolated build env with
+        # scikit-build-core and cmake fetched), which stalled for many minutes here.
+        log "download llama-cpp-python==$LLAMA_VERSION sdist from PyPI"
+        timeout 900 "$PYTHON" "$REPO/bench/pypi_sdist.py" llama-cpp-python "$LLAMA_VERSION" "$CACHE" \
+          || { record llama "failed: sdist download (bench/pypi_sdist.py)"; return 1; }
       fi
       sdist="$(ls "$CACHE"/llama_cpp_python-"$LLAMA_VERSION".tar.gz "$CACHE"/llama-cpp-python-"$LLAMA_VERSION".tar.gz 2>/dev/null | head -1)"
       log "unpack $sdist"
