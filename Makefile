@@ -58,7 +58,7 @@ bench-peers: $(STAMP)
 	bash bench/peers.sh
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.run $(if $(QUANT),--quant)
+	$(BIN)/python -m bench.run $(if $(QUANT),--quant) $(if $(GEMMA3),--gemma3)
 
 # Gemma 3 270M (issue 35): teacher-forced agreement with llama-server on the wheels' Q4_K_M,
 # llama.cpp's own KL of it against the float model, c=1/c=16 throughput beside llama-server

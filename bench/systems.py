@@ -22,6 +22,9 @@ QUANT_OF = {"ours-tp1-int8": ("Q8_0", "int8_wo"), "ours-tp1-int4": ("Q4_0", "int
             "ours-tp2-int8": ("Q8_0", "int8_wo"), "ours-tp2-int4": ("Q4_0", "int4_wo"),
             "llama-server-q8_0": ("Q8_0", None), "llama-server-q4_0": ("Q4_0", None)}
 QUANT_LEVELS = (1, 16)  # the concurrencies issue 12's targets name
+# `--gemma3` adds these (issue 35): Gemma 3 270M, our TP=1 engine built from the wheels'
+# Q4_K_M GGUF (dequantized exactly, then bfloat16) and llama-server on the same file.
+GEMMA3_SYSTEMS = ("ours-gemma3-tp1", "llama-server-gemma3")
 
 # Seconds each system may take, launch to last request, so that `make bench` ends within
 # 40 minutes on 2 cores even when one system is far slower than expected. vLLM gets the
@@ -33,10 +36,12 @@ BUDGET_S = {
     "llama-server": 300.0,
     "vllm": 600.0,
     **{name: 240.0 for name in QUANT_SYSTEMS},
+    **{name: 240.0 for name in GEMMA3_SYSTEMS},
 }
 QUICK_BUDGET_S = 240.0
 TOTAL_BUDGET_S = 38 * 60.0  # the whole run, builds included; 2 minutes kept for the report
 QUANT_BUDGET_S = 40 * 60.0  # what `--quant` adds: four engine builds and six systems
+GEMMA3_BUDGET_S = 15 * 60.0  # what `--gemma3` adds: one engine build (a cache hit later), two systems
 # vLLM's compile cache for the run, emptied before its launch (see fresh_vllm_cache).
 VLLM_CACHE = common.cache_dir() / "vllm-compile-cache"
 
@@ -48,6 +53,8 @@ class Planned:
     why: str = ""
     sweep: bool = True  # ours-tp1-nowarmup only answers the warmup question
     levels: tuple[int, ...] | None = None  # a subset of the workload's levels (None: all)
+    # The checkpoint whose tokenizer makes this system's prompts (None: the run's model).
+    tokenizer_dir: Path | None = None
 
 
 def tp_of(name: str) -> int:
@@ -100,6 +107,37 @@ def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str], skip: Sequence[str]
                 continue
             spec = ours_spec(engine, common.free_port(), tp_of(name), "auto", name)
             out.append(Planned(name, spec, levels=QUANT_LEVELS))
+    return out
+
+
+def plan_gemma3(sh: Callable[[list[str]], str], skip: Sequence[str] = ()) -> list[Planned]:
+    """Gemma 3 270M beside llama-server on the same GGUF, c=1 and c=16, prompts made with
+    Gemma's own tokenizer (the build's dequantized checkpoint holds it)."""
+    from pipeline.resolve import resolve
+
+    try:
+        gguf = common.gemma3_gguf()
+        hf_dir = resolve(str(gguf)).local_dir  # the build's own dequantization (cached)
+    except (RuntimeError, OSError, ValueError) as exc:
+        return [Planned(name, None, f"no Gemma 3 GGUF: {exc}") for name in GEMMA3_SYSTEMS]
+    out: list[Planned] = []
+    for name in GEMMA3_SYSTEMS:
+        if name in skip:
+            out.append(Planned(name, None, "skipped on the command line"))
+        elif name.startswith("llama-server"):
+            if common.llama_server_bin().exists():
+                spec = replace(llama_spec(gguf, common.free_port()), name=name)
+                out.append(Planned(name, spec, levels=QUANT_LEVELS, tokenizer_dir=hf_dir))
+            else:
+                out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))
+        else:
+            try:
+                engine = build_engine(sh, gguf, tp_of(name))
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+                out.append(Planned(name, None, f"engine build failed: {exc}"))
+                continue
+            spec = ours_spec(engine, common.free_port(), tp_of(name), "auto", name)
+            out.append(Planned(name, spec, levels=QUANT_LEVELS, tokenizer_dir=hf_dir))
     return out
 
 

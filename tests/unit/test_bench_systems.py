@@ -67,3 +67,36 @@ def test_a_pinned_server_runs_on_its_cores_only() -> None:
                              8000, "/"), {core})
     out = subprocess.run(list(spec.argv), capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"[{core}]"
+
+
+def test_gemma3_systems_use_the_wheels_gguf_and_gemma_s_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.resolve
+
+    monkeypatch.setenv("AOT_LLM_CACHE", str(tmp_path))  # no llama-server installed there
+    gguf = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF")
+    dequantized = tmp_path / "gemma-hf"
+    monkeypatch.setattr(common, "gemma3_gguf", lambda: gguf)
+    monkeypatch.setattr(pipeline.resolve, "resolve",
+                        lambda src: type("R", (), {"local_dir": dequantized})())
+    built: list[list[str]] = []
+
+    def sh(argv: list[str]) -> str:
+        built.append(argv)
+        return f"{tmp_path / 'engine-gemma'}\n"
+
+    planned = {p.name: p for p in systems.plan_gemma3(sh)}
+    assert list(planned) == list(systems.GEMMA3_SYSTEMS)
+    assert [b[b.index("build") + 1] for b in built] == [str(gguf)]
+    ours = planned["ours-gemma3-tp1"]
+    assert ours.spec is not None and str(tmp_path / "engine-gemma") in ours.spec.argv
+    assert ours.tokenizer_dir == dequantized and ours.levels == systems.QUANT_LEVELS
+    peer = planned["llama-server-gemma3"]
+    assert peer.spec is None and "not installed" in peer.why
+    # no GGUF at all: both are skipped with the reason, nothing is built
+    monkeypatch.setattr(common, "gemma3_gguf", lambda: (_ for _ in ()).throw(
+        RuntimeError("python -m demo.model --model gemma3 --gguf failed: offline")))
+    assert all(p.spec is None and "offline" in p.why for p in systems.plan_gemma3(sh))
+    assert len(built) == 1
