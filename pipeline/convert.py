@@ -60,9 +60,20 @@ def convert_checkpoint(
     qpanel_specs = {r.name.removesuffix(".weight"): quant_spec_for(r, cfg, quant)
                     for r in rules_for(cfg)
                     if is_qpanel_weight(r, cfg, quant, head=weight_layout in QHEAD_LAYOUTS)}
+    # A tied quantized head that the layout stores in pair panels cannot be the embedding's
+    # tensor (the embedding looks its rows up row-major): the head gets a copy of its own,
+    # packed, and the embedding keeps the rows (runtime/models/llama.py reads them so).
+    tied_qhead = (cfg.tie_word_embeddings and quant.lm_head is not None
+                  and weight_layout in QHEAD_LAYOUTS)
+    if tied_qhead:
+        qpanel_specs["lm_head"] = quant.lm_head
     with progress.stage("convert", total=tp * len(rules_for(cfg)), unit="tensors") as st:
         for rank in range(tp):
             shard = shard_state_dict(get, cfg, tp, rank, td, quant, get_q)
+            if tied_qhead:
+                for part in ("qweight", "scales", "mins"):
+                    if f"embed_tokens.{part}" in shard:
+                        shard[f"lm_head.{part}"] = shard[f"embed_tokens.{part}"].clone()
             if weight_layout in FLOAT_PANEL_LAYOUTS:
                 for name in panel_names:
                     shard[name] = pack_panels(shard[name])

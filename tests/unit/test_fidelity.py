@@ -43,6 +43,10 @@ def test_a_16_bit_engine_further_than_transformers_own_drift_fails() -> None:
     assert "mean KL 0.0016 against 0.000983" in verdict
     # quantized engines: recorded, never judged; below the floor both are noise
     assert judge(_record(0.5, 0.000983), "bfloat16", quantized=True) == ""
+    # ... except garbage, quantized or float32 (no reference dtype): not the model
+    for quantized, dtype in ((True, "bfloat16"), (False, "float32")):
+        verdict = judge(_record(74.9, 0.000983), dtype, quantized=quantized)
+        assert "not the model" in verdict and "74.9" in verdict
     assert judge(_record(9e-5, 1e-6), "bfloat16", quantized=False) == ""
     assert "engine: KL 0.000321" in describe(_record(0.000321, 0.000983))
 
