@@ -15,6 +15,7 @@
 // 16, and flipped SmolLM2's first answer token on the demo question). float_out rows beyond
 // kMaxRows take the same kernels in passes of kMaxRows rows: at::linear has no bf16 -> float32
 // GEMM on CPU.
+#include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +39,7 @@ constexpr int64_t kMaxRows = 4;  // M above this: at::linear or the tiled kernel
 template <typename scalar_t, typename Y>
 void gemv_generic(const scalar_t* x, const scalar_t* w, const scalar_t* b, Y* y,
                   int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(M * K);
     for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
     for (int64_t n = begin; n < end; ++n) {
@@ -61,7 +62,7 @@ void gemv_generic(const scalar_t* x, const scalar_t* w, const scalar_t* b, Y* y,
 template <typename Y>
 void gemv_bf16(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b, Y* y,
                int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 64, [&](int64_t begin, int64_t end) {
     const int64_t full = K / 32 * 32;
     const __mmask32 tail = static_cast<__mmask32>((1ull << (K - full)) - 1);
     for (int64_t n = begin; n < end; ++n) {

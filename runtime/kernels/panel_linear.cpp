@@ -20,6 +20,7 @@
 // x [..., K] (bf16, fp16 or float32), w [N, K] in panels (the same dtype), b [N] or none
 // -> [..., N] in x's dtype, or float32 with `float_out` (the LM head's logits); float32
 // accumulation.
+#include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,7 +58,7 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // Rows split evenly into passes of at most kRows (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  aotllm::parallel_chunks(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel, nr = std::min(kPanel, N - n0);
       const W* panel = w + n0 * K;

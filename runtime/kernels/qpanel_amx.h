@@ -13,6 +13,7 @@
 // once (amx_ready); where that is refused the caller takes the VNNI passes.
 #pragma once
 
+#include "parallel.h"
 #include "amx_tiles.h"
 #include "qpanel_dequant.h"
 
@@ -26,7 +27,7 @@ void gemm_qpanels_amx(const QWeight& w, const at::BFloat16* x, const float* bias
   const int64_t K = w.K, runs = K / kRun, Mp = (M + 15) / 16 * 16;
   thread_local std::vector<at::BFloat16> xpad;
   const at::BFloat16* xb = pad_rows(x, M, K, xpad);
-  at::parallel_for(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
     amx_config();
     std::vector<uint16_t> panel(runs * 512 + 32);
     uint16_t* pb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(panel.data()) + 63) & ~uintptr_t(63));

@@ -3,6 +3,7 @@
 // (qpanel_linear.cpp kVnniMaxRows).
 #pragma once
 
+#include "parallel.h"
 #include "qpanel_vnni.h"
 
 namespace aotllm {
@@ -51,7 +52,7 @@ inline void dequant_qpanels_kn(const QWeight& w, at::BFloat16* wt) {
   const int64_t N = w.N, runs = w.K / kRun;
   alignas(64) int16_t perm[32];
   for (int i = 0; i < 32; ++i) perm[i] = static_cast<int16_t>(2 * (i % 16) + i / 16);
-  at::parallel_for(0, N / kVCols, 1, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N / kVCols, 1, [&](int64_t begin, int64_t end) {
     const __m512i idx = _mm512_load_si512(perm);
     alignas(64) uint16_t tile[kRun * kVCols];
     GroupCounter gc(w);

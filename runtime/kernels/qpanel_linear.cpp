@@ -34,6 +34,7 @@
 // int8 passes (unpack_int4_panel): the int4 pass re-widened the nibbles for every 3 rows.
 // Interleaved, same units as the table: int4 16 rows 25.5-29.0 -> 19.5-21.0, 143 rows
 // 203-207 -> 145-155 (int8 at 143 rows: 146-164).
+#include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -177,7 +178,7 @@ void gemm_qpanels(const QWeight& w, const X* x, const float* bias, Y* y, int64_t
   const float* xsump = xsum.data();
   // More rows than one pass: int4 panels unpacked to int8 pairs once, then int8 passes.
   const bool unpack = kInt4 && M > kRowsQ;
-  at::parallel_for(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
     float out[kRowsQ * kCols];
     std::vector<int8_t> buf(unpack ? kCols * K : 0);
     const auto* bp = reinterpret_cast<const uint8_t*>(buf.data());
@@ -284,7 +285,7 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
 #endif
   at::Tensor wf = at::empty({N, K}, x.options().dtype(at::kFloat));
   float* wd = wf.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t k = 0; k < K; ++k) wd[n * K + k] = value_at(w, n, k);
   });

@@ -21,6 +21,7 @@
 // (2^27), the zero-point correction at most 8 x 32 x 32767 (2^23).
 #pragma once
 
+#include "parallel.h"
 #include "quant_weight.h"
 
 #include <algorithm>
@@ -274,7 +275,7 @@ void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, Y* y, int
   // Pointers, not the thread_local vectors: inside the lambda those names are the worker
   // thread's own (empty) vectors.
   const VnniX vx{xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr, xe.data()};
-  at::parallel_for(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kVRows8 * kVCols];
     std::vector<int8_t> buf(w.int4 && !native4 ? kVCols * K : 0);
     for (int64_t p = begin; p < end; ++p) {

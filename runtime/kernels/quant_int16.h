@@ -18,6 +18,7 @@
 // 32767, two products a lane, two lanes summed: 2^24 at most.
 #pragma once
 
+#include "parallel.h"
 #include "quant_weight.h"
 
 namespace aotllm {
@@ -184,7 +185,7 @@ inline void gemm_int16(const QWeight& w, const X* x, const float* bias, X* y, in
   // worker thread's own (empty) vectors.
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
-  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N, 16, [&](int64_t begin, int64_t end) {
     float out[kInt16MaxRows];
     thread_local std::vector<float> cs;
     cs.resize(kInt16Rows * runs);

@@ -21,6 +21,7 @@
 // 3.8-4.7 -> 2.3-3.5 ms; `linear_int4` in a Q4_0 engine's batch-1 step 8.2-8.6 -> 6.9-7.6 ms.
 #pragma once
 
+#include "parallel.h"
 #include "quant_int16.h"
 
 namespace aotllm {
@@ -204,7 +205,7 @@ inline void gemm_int4_pairs(const QWeight& w, const X* x, const float* bias, X* 
   // each worker thread's own vectors.
   const PairX px{xp.data(), xs8.data(), sym ? corr.data() : nullptr, sym ? nullptr : xsum.data(),
                  slots};
-  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N, 16, [&](int64_t begin, int64_t end) {
     float out[kInt16MaxRows];
     for (int64_t n = begin; n < end; ++n) {
       // Eight input rows at most a pass (the accumulators stay in registers); the weight

@@ -23,6 +23,7 @@
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear. With `float_out` (the LM head's logits)
 // the result stays in float32: the same sums, not rounded to the model dtype.
+#include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -86,7 +87,7 @@ inline void dequant_run(const QWeight& w, int64_t n, int64_t k, __m512& lo, __m5
 // The decode path: float32 inputs x [M, K] (bf16 inputs go through gemv_bf16 instead).
 void gemv_f32(const QWeight& w, const float* x, const float* bias, float* y, int64_t M) {
   const int64_t N = w.N, K = w.K;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (K % kRun == 0 && w.group % kRun == 0) {
       for (int64_t n = begin; n < end; ++n) {
@@ -124,7 +125,7 @@ void gemv_f32(const QWeight& w, const float* x, const float* bias, float* y, int
 // The decode path for bf16 inputs; float32 outputs (rounded by the caller).
 void gemv_bf16(const QWeight& w, const at::BFloat16* x, const float* bias, float* y, int64_t M) {
   const int64_t N = w.N, K = w.K;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512BF16__)
     if (K % kRun == 0 && w.group % kRun == 0) {
       if (M == 1 && !w.int4) {
@@ -198,7 +199,7 @@ void dequant_into(const QWeight& w, at::Tensor& out) {
   const bool bf16 = out.scalar_type() == at::kBFloat16;
   float* of = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* ob = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, N, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512BF16__)
     if (K % kRun == 0 && w.group % kRun == 0) {
       for (int64_t n = begin; n < end; ++n) {

@@ -15,6 +15,7 @@
 // the tests hold every path to, and never further from the checkpoint's numbers.
 #pragma once
 
+#include "parallel.h"
 #include "panel_kernel.h"
 #include "quant_weight.h"
 
@@ -96,7 +97,7 @@ inline void gemm_quant_panels(const QWeight& w, const float* x, int64_t M, const
                               float* y) {
   const int64_t K = w.K, N = w.N, panels = N / kPanel;
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  aotllm::parallel_chunks(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(kPanel * kChunk), s(kPanel * w.groups), mn(kPanel * w.groups);
     std::vector<float> acc(M * kPanel);  // [M, 16]: the panel's outputs
     for (int64_t p = p0; p < p1; ++p) {

@@ -3,6 +3,7 @@
 // apply; 16-bit inputs take quant_int16.h's integer rows instead).
 #pragma once
 
+#include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -158,7 +159,7 @@ inline void row_avx2(const QWeight& w, int64_t n, const float* x, const float* x
 template <int64_t MR>
 inline void gemv_avx2_rows(const QWeight& w, const float* x, const float* xsum,
                            const float* bias, float* y) {
-  at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
+  aotllm::parallel_chunks(0, w.N, 16, [&](int64_t begin, int64_t end) {
     float out[MR];
     for (int64_t n = begin; n < end; ++n) {
       row_avx2<MR>(w, n, x, xsum, out);
