@@ -23,7 +23,10 @@ kind: the tokens come out with exactly the distribution of one-token decoding.
   at d, so d is kept with probability p(d) and the replacement is drawn from p without
   d. A draft the grammar forbids has p(d) = 0 and is always rejected. The random numbers
   come from the sequence's own generator, so a seeded request repeats itself run to run
-  (with the same speculation setting: drafts change how many numbers are drawn).
+  with the same speculation setting and the same drafts. NOTE: drafts change how many
+  numbers are drawn, and how many drafts a sequence gets depends on the step's spare
+  budget, logits rows and free blocks, so under different load a seeded sampled request
+  can take another (equally distributed) path; without speculation it cannot.
   Log-probabilities of every kept or drawn token are read from the same processed row,
   so they equal one-token decoding's; the sampling state advances only by kept tokens.
 """
