@@ -3,12 +3,17 @@ run, on one engine, at concurrency 1, in process (no HTTP):
 
     python -m bench.spec_decode --engine DIR [--k 4 6] [--rounds 3] [--new-tokens 160]
     python -m bench.spec_decode --hf-dir DIR   # the eager path, from a checkpoint
+    python -m bench.spec_decode --temperature 0.7   # sampled (seeded), not greedy
 
 Prompts whose answers copy their prompt ("Repeat this text exactly: ...", chat template)
 and one of free generation. Each round runs every prompt with speculation off, then with
 each K, on the same runner (the server's token bucket), greedy with the model's own stop
 tokens; the outputs must be identical token for token, and tokens/s is the output tokens
 over the seconds of the whole generate call (prefill included). Prints a markdown table.
+With --temperature > 0 the requests are sampled with a fixed seed: each setting must repeat
+its own output round to round, but speculation draws its random numbers differently
+(acceptance tests, then a residual draw), so outputs with and without it differ; they
+follow the same distribution (tests/unit/test_spec_accept.py).
 """
 
 from __future__ import annotations
@@ -87,12 +92,13 @@ def engine_for(runner: Any, setup: Any, k: int) -> Any:
     return LLMEngine(runner, sc)
 
 
-def one(runner: Any, setup: Any, k: int, prompt: list[int], new_tokens: int
-        ) -> tuple[list[int], float, dict[str, float]]:
+def one(runner: Any, setup: Any, k: int, prompt: list[int], new_tokens: int,
+        temperature: float = 0.0) -> tuple[list[int], float, dict[str, float]]:
     from runtime.core.types import SamplingParams
 
     engine = engine_for(runner, setup, k)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=temperature,
+                            seed=0 if temperature else None)
     t = time.perf_counter()
     (out,) = engine.generate([prompt], [params])
     return out, time.perf_counter() - t, engine.stats().extra
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--prompts", nargs="+", choices=sorted(PROMPTS), default=list(PROMPTS))
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); else sampled with seed 0")
     args = ap.parse_args(argv)
     from bench.common import demo_checkpoint
     from bench.prompts import load_tokenizer
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name, ids in prompts.items():
             for k in ks:
-                out, s, extra = one(runner, setup, k, list(ids), args.new_tokens)
+                out, s, extra = one(runner, setup, k, list(ids), args.new_tokens,
+                                    args.temperature)
                 secs.setdefault((name, k), []).append(s)
                 if outs.setdefault((name, k), out) != out:
                     raise RuntimeError(f"{name} K={k}: output changed between rounds")
@@ -144,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, len(ids), "off" if not k else f"ngram:{k}", len(out),
                          f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                          f"{accepted / drafted:.2f}" if drafted else "-",
-                         "yes" if out == base else "NO"])
+                         "-" if args.temperature else "yes" if out == base else "NO"])
     info = machine_info()
-    print(f"\n{label}; c=1, greedy, median of {args.rounds} rounds; {info}\n")
+    mode = f"temperature {args.temperature}, seed 0" if args.temperature else "greedy"
+    print(f"\n{label}; c=1, {mode}, median of {args.rounds} rounds; {info}\n")
     print("\n".join(md_table(["prompt", "prompt tokens", "speculative", "output tokens",
                               "tok/s", "vs off", "accepted/drafted", "same output"], rows)))
     return 0

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative", default="off", metavar="off|ngram[:K]",
         help="speculative decoding the served engine runs by default (`serve launch "
         "--speculative` overrides it): ngram is prompt lookup, K drafted tokens verified per "
-        f"step (default {DEFAULT_NUM_TOKENS}); greedy requests only, outputs unchanged "
+        f"step (default {DEFAULT_NUM_TOKENS}); lossless for every request kind "
         "(default: %(default)s)",
     )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")

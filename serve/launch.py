@@ -166,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
                    "the aoti and eager backends)")
     p.add_argument("--speculative", default=None, metavar="off|ngram[:K]",
                    help="speculative decoding: off, or ngram (prompt lookup) with K drafted "
-                   "tokens verified per step; greedy requests only, their outputs unchanged "
+                   "tokens verified per step; lossless for every request kind (greedy outputs "
+                   "unchanged, sampled ones the same distribution) "
                    "(default: what the engine was built with, `pipeline build --speculative`; "
                    "the aoti and eager backends)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",

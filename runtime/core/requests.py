@@ -17,10 +17,10 @@ import torch
 
 from runtime.core.logits import SeqSampling
 from runtime.core.plan import StepPlan
-from runtime.core.sampler import Sampler, first_max, make_generator
+from runtime.core.sampler import Sampler, first_max, make_generator, plain_greedy
 from runtime.core.scheduler import Scheduler
 from runtime.core.sequence import Sequence
-from runtime.core.spec import accept_greedy
+from runtime.core.spec import accept_greedy, keeps_draft, residual
 from runtime.core.types import EventCallback, SamplingParams, TokenEvent, TokenLogprob
 
 
@@ -76,13 +76,19 @@ class RequestTable:
         self.groups.pop(group.request_id, None)
 
     def sample(self, sampler: Sampler, scheduler: Scheduler, sampled_ids: list[int],
-               logits: torch.Tensor) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
+               logits: torch.Tensor, plan: StepPlan | None = None
+               ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
         """Draw every sampled row; a sequence due to fork also draws its siblings' first
-        tokens from its own row, each with its own state and random stream."""
+        tokens from its own row, each with its own state and random stream. Rows of the
+        plan's verify entries that `verify` decides position by position are left to it
+        (their bonus row may only be processed once every draft before it is kept)."""
+        exact = self._exact(plan) if plan is not None else set()
         rows: list[int] = []
         seqs: list[SeqEntry] = []
         owners: list[int] = []  # seq id (existing) or -1 - parent row (a new sibling)
         for r, sid in enumerate(sampled_ids):
+            if sid in exact:
+                continue
             s = self.seqs[sid]
             rows.append(r)
             seqs.append(s)
@@ -95,13 +101,15 @@ class RequestTable:
                     rows.append(r)
                     seqs.append(child)
                     owners.append(-1 - r)
+        sampled: dict[int, int] = {}
+        forks: dict[int, list[tuple[int, int]]] = {}
+        if not rows:
+            return sampled, forks
         # Without forks the rows are the first len(rows) in order: a view, not a gather
         # (an indexed copy of [16, vocab] took ~1 ms a step).
         plain = rows == list(range(len(rows)))
         picks = sampler.sample_seqs(logits[: len(rows)] if plain else logits[rows],
                                     [s.sampling for s in seqs])
-        sampled: dict[int, int] = {}
-        forks: dict[int, list[tuple[int, int]]] = {}
         for s, owner, (token, lp) in zip(seqs, owners, picks):
             s.sampling.accept(token, lp.logprob if lp is not None else None)
             if lp is not None and s.group.params.logprobs is not None:
@@ -117,33 +125,100 @@ class RequestTable:
             forks.setdefault(parent, []).append((child_id, token))
         return sampled, forks
 
-    def verify(self, plan: StepPlan, rows: torch.Tensor, sampled: dict[int, int]
+    def _exact(self, plan: StepPlan) -> set[int]:
+        """The plan's verify entries decided position by position: all but plain greedy
+        sequences (whose drafts only need the argmax of each raw row)."""
+        if not plan.num_draft_rows:
+            return set()
+        return {e.seq_id for e in plan.scheduled if e.draft_token_ids and e.seq_id in self.seqs
+                and not plain_greedy(self.seqs[e.seq_id].sampling)}
+
+    def verify(self, sampler: Sampler, plan: StepPlan, sampled_ids: list[int],
+               logits: torch.Tensor, draft_start: int, sampled: dict[int, int]
                ) -> dict[int, list[int]]:
-        """Greedy acceptance (runtime/core/spec.py) of every entry that verified drafts:
-        rows [D, V] are the plan's draft rows in order (the row before each draft). Returns
-        the drafts each sequence keeps; where one was rejected, its sampled token (drawn
-        from the bonus row) becomes the argmax at the rejected position instead."""
-        targets = first_max(rows).tolist()  # [D]
+        """Acceptance (runtime/core/spec.py) of every entry that verified drafts: logits
+        are the step's rows, the plan's draft rows from `draft_start` on, in order (the
+        row before each draft), the bonus rows among the first len(sampled_ids). Returns
+        the drafts each sequence keeps and sets its token in `sampled`: the bonus row's
+        after K kept, else the replacement drawn at the first rejected position."""
+        draft_rows = logits[draft_start:]  # [D, V]
+        exact = self._exact(plan)
+        bonus_row = {sid: r for r, sid in enumerate(sampled_ids)}
+        targets: list[int] = []
+        if any(e.draft_token_ids and e.seq_id not in exact for e in plan.scheduled):
+            targets = first_max(draft_rows).tolist()  # [D]; one call for all entries
         accepted: dict[int, list[int]] = {}
         at = 0
         for entry in plan.scheduled:
             drafts = entry.draft_token_ids
             if not drafts:
                 continue
-            mine, at = targets[at:at + len(drafts)], at + len(drafts)
-            s = self.seqs.get(entry.seq_id)
-            if s is None or entry.seq_id not in sampled:
+            sid, first, at = entry.seq_id, at, at + len(drafts)
+            s = self.seqs.get(sid)
+            if s is None:
                 continue
+            if sid in exact:
+                accepted[sid], sampled[sid] = self._verify_exact(
+                    sampler, s, drafts, draft_rows[first:at], logits[bonus_row[sid]])
+                continue
+            if sid not in sampled:
+                continue
+            mine = targets[first:at]
             a = accept_greedy(drafts, mine)
             if a < len(drafts):
-                sampled[entry.seq_id] = mine[a]
-            accepted[entry.seq_id] = drafts[:a]
-            # Only speculable sequences verify: their state counts tokens and nothing else
-            # (no penalties, grammar or log-probabilities), so recording the accepted
-            # drafts here and the final token through sample() above keeps it exact.
+                sampled[sid] = mine[a]
+            accepted[sid] = drafts[:a]
+            # A plain greedy state counts tokens and nothing else (no penalties, grammar or
+            # log-probabilities), so recording the kept drafts after the final token
+            # (through sample() above) keeps it exact.
             for token in drafts[:a]:
                 s.sampling.accept(token, None)
         return accepted
+
+    @staticmethod
+    def _verify_exact(sampler: Sampler, s: SeqEntry, drafts: list[int], rows: torch.Tensor,
+                      bonus: torch.Tensor) -> tuple[list[int], int]:
+        """One sequence's drafts, position by position: rows [K, V] (before each draft),
+        bonus [V]. Each row is processed in the state after the drafts kept before it,
+        exactly as one-token decoding would have processed it; the state, log-probabilities
+        included, advances by kept tokens and the final one only. Returns the kept drafts
+        and the token after them."""
+        st = s.sampling
+        params = st.params
+        want_lp = params.logprobs is not None
+        stops = st.stop_token_ids
+        kept: list[int] = []
+        for i, d in enumerate(drafts):
+            tempered = sampler.process(rows[i:i + 1], [st])  # [1, V]
+            if params.greedy:  # p is the point mass at the argmax
+                token = int(first_max(tempered)[0])
+            else:
+                p = sampler.cut_probs(tempered, [params])  # [1, V]
+                # Always draw u, even where p(d) is 0 or 1: the stream then advances the
+                # same way whatever the logits (one number per position, one more on a
+                # rejection).
+                if keeps_draft(p[0], d, sampler.uniform(st.generator)):
+                    token = d
+                else:
+                    u = torch.tensor([sampler.uniform(st.generator)], dtype=torch.float32)
+                    token = int(sampler.inverse_cdf(residual(p[0], d).unsqueeze(0), u)[0])
+            lp = (sampler.token_logprob(tempered[0], token, params.logprobs or 0)
+                  if params.needs_logprobs else None)
+            st.accept(token, lp.logprob if lp is not None else None)
+            if lp is not None and want_lp:
+                s.logprobs.append(lp)
+            if token != d:
+                return kept, token
+            kept.append(d)
+            if d in stops:
+                # The sequence ends at this token (the scheduler stops it there): nothing
+                # after it is decided, and the token returned with it is never used.
+                return kept, d
+        ((token, lp_bonus),) = sampler.sample_seqs(bonus.unsqueeze(0), [st])
+        st.accept(token, lp_bonus.logprob if lp_bonus is not None else None)
+        if lp_bonus is not None and want_lp:
+            s.logprobs.append(lp_bonus)
+        return kept, token
 
     def collect_prompt_logprobs(self, sampler: Sampler, plan: StepPlan, logits: torch.Tensor
                                 ) -> None:

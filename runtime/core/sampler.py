@@ -52,6 +52,12 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def plain_greedy(s: SeqSampling) -> bool:
+    """The row's token is the argmax of the model's own logits and nothing else is read
+    from it: greedy, no log-probabilities, no processor that would change the row."""
+    return s.params.greedy and not s.params.needs_logprobs and leaves_untouched(s)
+
+
 class Sampler:
     def __init__(self) -> None:
         # For sampled rows that come without a generator.
@@ -82,22 +88,13 @@ class Sampler:
         """The full pipeline for one step: logits [n, vocab] (not modified), one state
         per row -> (token, its log-probability when the row needs one) per row."""
         self._check(logits, len(states))
-        if all(s.params.greedy and not s.params.needs_logprobs and leaves_untouched(s)
-               for s in states):
+        if all(plain_greedy(s) for s in states):
             # Plain greedy rows (the common serving case): the argmax of the model's own
             # logits, the same values and the same first-maximum ties as after a float32
             # copy; skipping the copy saves ~1 ms a step at 16 rows of a 49k vocabulary.
             return [(t, None) for t in first_max(logits).tolist()]
-        logits = logits.float().clone()  # [n, V]; processed in place
-        apply_processors(logits, states)
+        logits = self.process(logits, states)  # [n, V]
         params = [s.params for s in states]
-        # Temperature on every row that has one (top_k=1 rows too: argmax does not change,
-        # their log-probabilities do); temperature 0 counts as 1.
-        hot = [i for i, p in enumerate(params) if p.temperature > 0]
-        if hot:
-            idx = torch.tensor(hot, device=logits.device)
-            temps = torch.tensor([params[i].temperature for i in hot], device=logits.device)
-            logits[idx] = logits[idx] / temps.unsqueeze(1)
         want = [i for i, p in enumerate(params) if p.needs_logprobs]
         logprobs = logits[want].log_softmax(dim=-1) if want else None  # [w, V]
         tokens = self._choose(logits, params, [s.generator for s in states],
@@ -110,6 +107,29 @@ class Sampler:
                 k = params[i].logprobs or 0
                 out[i] = (tokens[i], TokenLogprob(tokens[i], chosen[j], _top(logprobs[j], k)))
         return out
+
+    @staticmethod
+    def process(logits: torch.Tensor, states: Sequence[SeqSampling]) -> torch.Tensor:
+        """logits [n, V] (not modified) -> a float32 copy after each row's processors and
+        temperature: what log-probabilities, the greedy argmax and the draw all read."""
+        logits = logits.float().clone()  # [n, V]; processed in place
+        apply_processors(logits, states)
+        params = [s.params for s in states]
+        # Temperature on every row that has one (top_k=1 rows too: argmax does not change,
+        # their log-probabilities do); temperature 0 counts as 1.
+        hot = [i for i, p in enumerate(params) if p.temperature > 0]
+        if hot:
+            idx = torch.tensor(hot, device=logits.device)
+            temps = torch.tensor([params[i].temperature for i in hot], device=logits.device)
+            logits[idx] = logits[idx] / temps.unsqueeze(1)
+        return logits
+
+    @staticmethod
+    def token_logprob(tempered: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        """A token's log-probability and the top k at one processed row [V], as
+        sample_seqs reports them."""
+        lp = tempered.unsqueeze(0).log_softmax(dim=-1)[0]  # [V]
+        return TokenLogprob(token, lp[token].item(), _top(lp, k))
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int
@@ -139,24 +159,37 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
               gens: list[torch.Generator | None], tempered: bool) -> torch.Tensor:
         """logits: [m, V] float32, rows all non-greedy -> [m] token ids."""
-        device = logits.device
-        vocab = logits.shape[1]
         if not tempered:
-            temps = torch.tensor([p.temperature for p in params], device=device)  # [m]
+            temps = torch.tensor([p.temperature for p in params], device=logits.device)  # [m]
             logits = logits / temps.unsqueeze(1)
-        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-            logits = logits.masked_fill(~self._keep_mask(logits, params), float("-inf"))
         # The draw always runs in vocabulary order, so a row's token depends only on its own
         # logits and generator, never on which other rows share the batch.
-        probs = logits.softmax(dim=-1)  # [m, V]
+        probs = self.cut_probs(logits, params)  # [m, V]
+        u = torch.tensor([self.uniform(g) for g in gens], dtype=torch.float32,
+                         device=logits.device)  # [m]
+        return self.inverse_cdf(probs, u)
+
+    def uniform(self, gen: torch.Generator | None) -> float:
+        """One uniform number in [0, 1) from a sequence's stream (the fallback without one)."""
+        return torch.rand((), generator=gen or self._fallback).item()
+
+    @classmethod
+    def cut_probs(cls, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Tempered logits [m, V] -> the distribution a sampled row draws from [m, V]: the
+        top-k then top-p cut, softmax. Speculative acceptance (runtime/core/spec.py) reads
+        the same distribution, so that it is exactly the one the plain draw uses."""
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+            logits = logits.masked_fill(~cls._keep_mask(logits, list(params)), float("-inf"))
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """probs [m, V] (non-negative, not necessarily normalised), u [m] in [0, 1) -> [m]
+        token ids: the first token whose cumulative mass exceeds u * total; tokens with
+        no mass never qualify, since the cumulative sum does not rise at them."""
+        vocab = probs.shape[1]
         cdf = probs.cumsum(dim=-1)  # [m, V]
-        u = torch.tensor(
-            [torch.rand((), generator=g or self._fallback).item() for g in gens],
-            dtype=torch.float32,
-            device=device,
-        )  # [m]
-        # Inverse CDF: the first token whose cumulative mass exceeds u * total; tokens with
-        # no mass never qualify, since the cumulative sum does not rise at them.
         target = (u * cdf[:, -1]).unsqueeze(1)  # [m, 1]
         pos = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [m]
         # Rounding can put the target at the very top; fall back to the last token with mass.

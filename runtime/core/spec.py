@@ -1,24 +1,42 @@
-"""Speculative decoding on rank 0: the n-gram drafter (prompt lookup) and greedy acceptance.
+"""Speculative decoding on rank 0: the n-gram drafter (prompt lookup) and acceptance.
 
 A decoding sequence that may speculate is scheduled with 1 + K tokens in one step: its
 last sampled token plus K drafted ones (`ScheduledSeq.draft_token_ids`). The model
 computes all of them like a prompt chunk and returns a float32 logits row at each: the
 row after the last sampled token predicts the first draft, and so on; the row after the
-last draft is the ordinary sampled row (the bonus). Greedy acceptance keeps drafts while
-each equals the argmax of the row before it; the first mismatch is replaced by that
-argmax (the token the plain engine would have produced), or after K accepted the bonus
-row's token follows. Outputs are exactly the plain engine's; the scheduler then rolls the
-rejected positions back (runtime/core/scheduler.py).
+last draft is the ordinary sampled row (the bonus). The scheduler then rolls the rejected
+positions back (runtime/core/scheduler.py).
 
-Only sequences whose next token is the argmax of the model's own logits speculate
-(`speculable`): sampled requests, log-probabilities, processors and grammars decode one
-token at a time, as without speculation.
+Acceptance (runtime/core/requests.py, `RequestTable.verify`) is lossless for every request
+kind: the tokens come out with exactly the distribution of one-token decoding.
+- Plain greedy rows (no processor, no log-probabilities): drafts are kept while each
+  equals the argmax of the row before it (`accept_greedy`); the first mismatch is replaced
+  by that argmax, or after K kept the bonus row's token follows.
+- Every other row is decided position by position, each after the one before: the row
+  goes through the sequence's processors (penalties, logit_bias, min_tokens, grammar mask)
+  in the state after the drafts kept so far, then temperature and top-k/top-p, giving p,
+  the distribution the plain sampler would draw from. Greedy: keep the draft iff it is
+  p's argmax. Sampled: the rejection rule of Leviathan et al. and Chen et al. (vLLM's
+  RejectionSampler): keep draft d with probability min(1, p(d) / q(d)), q the drafter's
+  distribution; on the first rejection draw from max(0, p - q) renormalised
+  (`keeps_draft`, `residual`). The n-gram drafter is deterministic: q is the point mass
+  at d, so d is kept with probability p(d) and the replacement is drawn from p without
+  d. A draft the grammar forbids has p(d) = 0 and is always rejected. The random numbers
+  come from the sequence's own generator, so a seeded request repeats itself run to run
+  with the same speculation setting and the same drafts. NOTE: drafts change how many
+  numbers are drawn, and how many drafts a sequence gets depends on the step's spare
+  budget, logits rows and free blocks, so under different load a seeded sampled request
+  can take another (equally distributed) path; without speculation it cannot.
+  Log-probabilities of every kept or drawn token are read from the same processed row,
+  so they equal one-token decoding's; the sampling state advances only by kept tokens.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+
+import torch
 
 from runtime.core.types import SamplingParams
 
@@ -28,13 +46,12 @@ NGRAM_MIN = 1
 
 
 def speculable(params: SamplingParams, num_output: int, has_stop: bool) -> bool:
-    """Whether a sequence's next tokens are the plain argmax of the model's logits, so that
-    greedy acceptance is lossless: greedy, no processor that changes the row, no
-    log-probabilities, one sequence per request."""
-    return (params.greedy and not params.needs_logprobs and params.guided is None
-            and params.grammar is None and not params.logit_bias
-            and not params.has_penalties and params.num_sequences == 1
-            and not (num_output < params.min_tokens and has_stop))
+    """Whether a sequence may verify drafts. Acceptance is lossless for every request kind
+    the engine runs (greedy or sampled, processors, grammars, log-probabilities, n > 1),
+    so nothing is refused; the scheduler keeps asking so that a request kind that cannot
+    be verified exactly (none today) has one place to say so."""
+    del params, num_output, has_stop  # every kind speculates (module docstring)
+    return True
 
 
 class NgramDrafter:
@@ -89,3 +106,21 @@ def accept_greedy(drafts: Sequence[int], targets: Sequence[int]) -> int:
             break
         a += 1
     return a
+
+
+def keeps_draft(p: torch.Tensor, draft: int, u: float, q: torch.Tensor | None = None) -> bool:
+    """The rejection rule: keep `draft` with probability min(1, p(d) / q(d)) given u drawn
+    uniformly from [0, 1). p: the target's distribution at the draft's position [V]; q:
+    the drafter's there [V], None for a deterministic drafter (the point mass at d, q(d) = 1).
+    Written as u * q(d) < p(d): no division, and a q(d) of 0 (a drafter that proposes what
+    it gives no mass) keeps exactly the drafts the target allows."""
+    qd = 1.0 if q is None else float(q[draft])
+    return u * qd < float(p[draft])
+
+
+def residual(p: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> torch.Tensor:
+    """What to draw from after a rejection: max(0, p - q) [V], not normalised (the
+    sampler's inverse CDF scales by the total). For a point-mass q, p without the draft."""
+    if q is None:
+        return p.index_fill(0, torch.tensor([draft], device=p.device), 0.0)
+    return (p - q).clamp_min(0.0)

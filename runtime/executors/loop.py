@@ -170,9 +170,10 @@ class LLMEngine:
         if sampled_ids:
             assert logits is not None
             sampled, forks = self.requests.sample(self.sampler, self.scheduler, sampled_ids,
-                                                  logits)
+                                                  logits, plan)
             if plan.num_draft_rows:
-                accepted = self.requests.verify(plan, logits[n_sampled + n_prompt:], sampled)
+                accepted = self.requests.verify(self.sampler, plan, sampled_ids, logits,
+                                                n_sampled + n_prompt, sampled)
         for seq in self.scheduler.update(plan, sampled, forks, accepted):
             self._emit(seq)
         # A verify step (speculation) decodes too: its drafts are not prompt tokens.

@@ -1,13 +1,17 @@
 """Speculative decoding through the HTTP server: `serve launch --speculative ngram:4` on the
 session's TP=2 engine answers greedy requests exactly as transformers does (the prompt
 repeats itself, so drafts are verified and accepted), counts drafts on /metrics and shows
-the drafter on /v1/engine."""
+the drafter on /v1/engine. Requests with log-probabilities, structured output and stop
+strings answer as the plain server does, with drafts accepted; seeded sampled requests
+speculate and repeat themselves."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +46,7 @@ def test_greedy_completions_equal_transformers_with_drafts_accepted(
                                         temperature=0)
         assert got.choices[0].text == want.text
         assert got.choices[0].finish_reason == want.finish_reason
-    # a sampled request decodes one token at a time and still answers
+    # a sampled request speculates too (its drafts mostly rejected on a random model)
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
                                     temperature=0.8, seed=1)
     assert got.usage is not None and got.usage.completion_tokens >= 1
@@ -52,3 +56,60 @@ def test_greedy_completions_equal_transformers_with_drafts_accepted(
     assert 0 < accepted <= drafted
     report = spec_server.call("GET", "/v1/engine").json()
     assert report["speculative"] == {"drafter": "ngram:4", "from": "--speculative"}
+
+
+ACCEPTED = "llmserve_spec_decode_num_accepted_tokens_total"
+
+
+def answer(srv: Server, **kw: Any) -> tuple[str, str | None, list[str], list[float]]:
+    """A completion's text, finish reason, and its tokens' log-probabilities."""
+    r = srv.client().completions.create(model=MODEL, **kw)
+    c = r.choices[0]
+    lp = c.logprobs
+    return (c.text, c.finish_reason, list(lp.tokens or []) if lp else [],
+            list(lp.token_logprobs or []) if lp else [])
+
+
+CASES: list[dict[str, Any]] = [
+    dict(prompt=PROMPT, max_tokens=40, temperature=0, logprobs=3),
+    dict(prompt=PROMPT, max_tokens=40, temperature=0,
+         extra_body={"guided_regex": "(one two three four five six\\. ){2,6}"}),
+    dict(prompt=PROMPT, max_tokens=120, temperature=0, logprobs=1,
+         extra_body={"guided_json": {"type": "array", "items": {"enum": ["one", "two", "three"]},
+                                     "minItems": 4, "maxItems": 6}}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["logprobs", "guided", "json"])
+def test_logprobs_and_structured_output_equal_the_plain_server_with_drafts_accepted(
+        spec_server: Server, server: Server, case: int) -> None:
+    kw = CASES[case]
+    before = counter(spec_server.metrics(), ACCEPTED)
+    text, finish, tokens, lps = answer(spec_server, **kw)
+    assert counter(spec_server.metrics(), ACCEPTED) > before, "no draft accepted"
+    want_text, want_finish, want_tokens, want_lps = answer(server, **kw)
+    assert (text, finish, tokens) == (want_text, want_finish, want_tokens)
+    # The same processed distribution, its rows from a verify step rather than a decode
+    # step: equal to rounding.
+    assert lps == pytest.approx(want_lps, abs=1e-4)
+    if "guided_json" in kw.get("extra_body", {}):
+        assert json.loads(text)
+
+
+def test_stop_strings_end_where_the_plain_server_ends(spec_server: Server,
+                                                      server: Server) -> None:
+    full, _, _, _ = answer(server, prompt=PROMPT, max_tokens=40, temperature=0)
+    stop = full[len(full) // 2:len(full) // 2 + 4]
+    assert stop.strip(), full
+    got = answer(spec_server, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    want = answer(server, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert got == want and got[1] == "stop"
+
+
+def test_seeded_sampled_requests_repeat_with_drafts(spec_server: Server) -> None:
+    kw = dict(prompt=PROMPT, max_tokens=40, temperature=0.7, seed=5, logprobs=1)
+    before = counter(spec_server.metrics(), "llmserve_spec_decode_num_draft_tokens_total")
+    first = answer(spec_server, **kw)
+    assert counter(spec_server.metrics(),
+                   "llmserve_spec_decode_num_draft_tokens_total") > before, "no draft"
+    assert answer(spec_server, **kw) == first

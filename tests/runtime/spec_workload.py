@@ -76,7 +76,7 @@ def mid_draft_cases(prompts: list[list[int]], free: Result) -> list[tuple[list[i
 
 
 def build_workload(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
-    """Greedy requests with and without limits, a sampled one (it must not speculate) and
+    """Greedy requests with and without limits, a sampled one (it speculates too) and
     requests that end mid-draft, found by running `engine` (speculative) beforehand.
 
     A stop token ends a request mid-draft only where its first output occurrence is an

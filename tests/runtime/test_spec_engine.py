@@ -1,5 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) through the engine at TP=1 and TP=2: greedy
-outputs token for token those of the plain engine, drafts accepted, blocks all returned."""
+outputs token for token those of the plain engine (log-probabilities too, within the
+rounding of a verify step's logits against a decode step's), drafts accepted, blocks all
+returned; seeded sampled requests speculate and repeat themselves run to run."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 from contract.speculative import Speculative
 from runtime.core.scheduler import SchedulerConfig
+from runtime.core.types import SamplingParams, TokenEvent, TokenLogprob
 from runtime.executors.loop import LLMEngine
 from runtime.executors.torch import runner_from_checkpoint
 from runtime.models.parallel import TPContext
@@ -35,7 +38,8 @@ def test_greedy_outputs_equal_plain_decoding(tiny_models: dict[str, Path]) -> No
     spec = make_engine(path, Speculative("ngram", 5))
     got = run_requests(spec, reqs)
     for i in range(len(reqs)):
-        assert got[str(i)][:2] == plain[str(i)][:2], f"request {i}: {reqs[i][1]}"
+        if reqs[i][1].greedy:  # a sampled request's stream is drawn differently when drafting
+            assert got[str(i)][:2] == plain[str(i)][:2], f"request {i}: {reqs[i][1]}"
     s = spec.stats().extra
     assert 0 < s["spec_decode_num_accepted_tokens_total"] <= s["spec_decode_num_draft_tokens_total"]
     # fewer steps than tokens: verify steps produced several tokens at once
@@ -69,3 +73,59 @@ def test_tp2_greedy_outputs_equal_plain_decoding(tiny_models: dict[str, Path],
     assert result["spec"] == result["plain"]
     assert any(stop for stop in result["stops"]), "a stop token mid-draft"
     assert result["accepted"] > 0
+
+
+Traced = dict[str, tuple[list[int], list[TokenLogprob], list[int]]]
+
+
+def run_traced(engine: LLMEngine, reqs: list[tuple[list[int], SamplingParams]]) -> Traced:
+    """All requests at once to the end: tokens, log-probabilities, event sizes."""
+    out: Traced = {str(i): ([], [], []) for i in range(len(reqs))}
+
+    def cb(ev: TokenEvent) -> None:
+        tokens, lps, sizes = out[ev.request_id]
+        tokens.extend(ev.token_ids)
+        lps.extend(ev.logprobs or ())
+        if ev.token_ids:
+            sizes.append(len(ev.token_ids))
+
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params, cb)
+    while engine.num_unfinished():
+        engine.step()
+    assert engine.scheduler.block_manager.num_used == 0
+    return out
+
+
+def test_logprobs_and_seeded_sampled_requests_speculate(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["llama"]
+    prompts = spec_prompts()
+    reqs = [(p, greedy(30, logprobs=3)) for p in prompts]
+    # The tiny random model's rows are nearly flat: at 0.7 drafts are all but always
+    # rejected (the residual draw runs), at 0.02 some are kept.
+    reqs += [(p, SamplingParams(max_tokens=30, temperature=t, top_p=0.95, seed=11 + i,
+                                logprobs=1, ignore_eos=True))
+             for t in (0.7, 0.02) for i, p in enumerate(prompts)]
+    plain = run_traced(make_engine(path, None), reqs)
+    spec_engine = make_engine(path, Speculative("ngram", 5))
+    got = run_traced(spec_engine, reqs)
+    for i, (_, params) in enumerate(reqs):
+        tokens, lps, _ = got[str(i)]
+        assert len(lps) == len(tokens)
+        if not params.greedy:
+            continue
+        want_tokens, want_lps, _ = plain[str(i)]
+        assert tokens == want_tokens, f"request {i}"
+        for a, b in zip(lps, want_lps):
+            # The same processed distribution; its logits row comes from a verify step
+            # (several positions at once) rather than a decode step: equal to rounding.
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    for kind in (True, False):
+        ids = [str(i) for i, (_, p) in enumerate(reqs) if p.greedy == kind]
+        assert any(max(got[k][2]) > 1 for k in ids), f"drafts accepted (greedy: {kind})"
+    s = spec_engine.stats().extra
+    assert 0 < s["spec_decode_num_accepted_tokens_total"] < s["spec_decode_num_draft_tokens_total"]
+    # seeded sampled requests: the same tokens and log-probabilities run to run
+    again = run_traced(make_engine(path, Speculative("ngram", 5)), reqs)
+    assert again == got

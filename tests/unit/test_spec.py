@@ -66,17 +66,14 @@ def test_accept_greedy_and_speculable() -> None:
     assert accept_greedy([4, 5, 6], [4, 5, 6]) == 3
     assert accept_greedy([4, 5, 6], [4, 9, 6]) == 1
     assert accept_greedy([4, 5, 6], [1, 5, 6]) == 0
-    greedy = SamplingParams(temperature=0.0)
-    assert speculable(greedy, 0, True)
-    assert not speculable(SamplingParams(temperature=0.7), 5, True)
-    assert not speculable(SamplingParams(temperature=0.0, logprobs=1), 5, True)
-    assert not speculable(SamplingParams(temperature=0.0, n=2), 5, True)
-    assert not speculable(SamplingParams(temperature=0.0, repetition_penalty=1.1), 5, True)
-    assert not speculable(SamplingParams(temperature=0.0, guided=GuidedSpec("json_object")),
-                          5, True)
-    # min_tokens masks stop tokens (a processor) until it is reached
-    assert not speculable(SamplingParams(temperature=0.0, min_tokens=3), 2, True)
-    assert speculable(SamplingParams(temperature=0.0, min_tokens=3), 3, True)
+    # acceptance is lossless for every kind (tests/unit/test_spec_accept.py)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+                   SamplingParams(temperature=0.0, logprobs=1),
+                   SamplingParams(temperature=0.0, n=2),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                   SamplingParams(temperature=0.0, guided=GuidedSpec("json_object")),
+                   SamplingParams(temperature=0.0, min_tokens=3)):
+        assert speculable(params, 2, True)
 
 
 def test_speculative_config_parses_and_validates() -> None:
@@ -288,11 +285,11 @@ def test_drafts_stop_one_short_of_max_tokens() -> None:
     assert seq.output_token_ids == [1, 2, 3] and seq.finish_reason == "length"
 
 
-def test_no_drafts_for_sampled_requests_or_without_free_blocks() -> None:
+def test_sampled_requests_draft_but_not_without_free_blocks() -> None:
     sched = Scheduler(config(speculative=Speculative("ngram", 4)))
     prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=20, temperature=0.8)
     plan = sched.schedule()
-    assert plan.scheduled[0].draft_token_ids == [] and plan.scheduled[0].num_new_tokens == 1
+    assert plan.scheduled[0].draft_token_ids == [2, 3, 4, 5]
     # one usable block beyond the prompt's two... none: the decode fits, drafts do not
     sched = Scheduler(config(block_size=4, num_blocks=1 + 2, max_seq_len=8))
     prefill(sched, [1, 2, 3, 4, 5, 6], 1, max_tokens=2)
