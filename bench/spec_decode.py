@@ -4,6 +4,7 @@ run, on one engine, in process (no HTTP), batched through the engine loop:
     python -m bench.spec_decode --engine DIR [--k 4] [--rounds 3] [--new-tokens 64]
                                 [--concurrency 1 16] [--sets copy free] [--out DIR]
     python -m bench.spec_decode --engine DIR --profile   # where a verify step's time goes
+    make bench-spec   # --build --out bench/results/spec/ (the demo engine, a few minutes)
     python -m bench.spec_decode --hf-dir DIR   # the eager path, from a checkpoint
 
 Two prompt sets, chat template, greedy with the model's own stop tokens: `copy` (answers
@@ -183,7 +184,8 @@ def set_prompts(tok: Any, names: list[str]) -> dict[str, list[list[int]]]:
 
 
 def measure(runner: Any, setup: Any, sets: dict[str, list[list[int]]], k: int,
-            concurrency: list[int], rounds: int, new_tokens: int) -> list[dict[str, Any]]:
+            concurrency: list[int], rounds: int, new_tokens: int,
+            modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     """Every (set, c) with speculation off, fixed and adaptive, interleaved round by round."""
     work = [(name, c) for name in sets for c in concurrency]
     secs: dict[tuple[str, int, str], list[float]] = {}
@@ -192,7 +194,8 @@ def measure(runner: Any, setup: Any, sets: dict[str, list[list[int]]], k: int,
     for r in range(rounds):
         for name, c in work:
             prompts = [sets[name][i % len(sets[name])] for i in range(c)]
-            order = MODES[r % 3:] + MODES[:r % 3]  # rotated: drift spreads over the modes
+            n_modes = len(modes)
+            order = modes[r % n_modes:] + modes[:r % n_modes]  # rotated: drift spreads out
             for mode in order:
                 engine = engine_for(runner, setup, 0 if mode == "off" else k,
                                     adaptive=mode == "adaptive")
@@ -209,7 +212,7 @@ def measure(runner: Any, setup: Any, sets: dict[str, list[list[int]]], k: int,
     for name, c in work:
         base = outs[(name, c, "off")]
         base_rate = sum(map(len, base)) / statistics.median(secs[(name, c, "off")])
-        for mode in MODES:
+        for mode in modes:
             key = (name, c, mode)
             n = sum(map(len, outs[key]))
             rate = n / statistics.median(secs[key])
@@ -271,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--sets", nargs="+", choices=sorted(SETS), default=list(SETS))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="off is always run (the reference)")
     ap.add_argument("--profile", action="store_true", help="decode step time by batch and K")
+    ap.add_argument("--build", action="store_true",
+                    help="build (or reuse) the TP=1 aoti bf16 demo engine in engines/")
     ap.add_argument("--out", type=Path, default=None, help="write spec.json, report.md, spec.png")
     args = ap.parse_args(argv)
     from bench.common import demo_checkpoint
@@ -279,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_dir = args.hf_dir or demo_checkpoint()
     tok = load_tokenizer(hf_dir)
+    if args.build:  # `make bench-spec`: the demo engine, TP=1 aoti bf16 (a cache hit when built)
+        from bench.common import REPO
+        from bench.job import build_demo_engine
+
+        args.engine = build_demo_engine(REPO / "engines", 1, (), "aoti")
     runner, setup, label = make_runner(args.engine, None if args.engine else hf_dir)
     sets = set_prompts(tok, ["copy"] if args.profile else args.sets)
     load_before = f"{os.getloadavg()[0]:.2f}"
@@ -290,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.getloadavg()[0]:.2f}\n")
         print("\n".join(profile_table(prof)))
         return 0
-    rows = measure(runner, setup, sets, args.k, args.concurrency, args.rounds, args.new_tokens)
+    modes = tuple(m for m in MODES if m == "off" or m in args.modes)
+    rows = measure(runner, setup, sets, args.k, args.concurrency, args.rounds, args.new_tokens,
+                   modes)
     load = (load_before, f"{os.getloadavg()[0]:.2f}")
     print(f"\n{label}; greedy, median of {args.rounds} rounds; {machine_info()}; "
           f"load {load[0]} -> {load[1]}\n")

@@ -69,7 +69,12 @@ held only rejected positions are freed at once (the next plan tells the runners 
 their block tables, `block_table_lens`), and the prefix cache only ever registers full
 blocks of computed, known tokens, so never one holding a rejected draft. Accepted tokens
 join the output one by one, so a stop token or max_tokens among them ends the sequence
-exactly where one-token decoding would.
+exactly where one-token decoding would. How many drafts a sequence gets is the adaptive
+policy's (runtime/core/spec_policy.py, `SchedulerConfig.spec_adaptive`): from the
+sequence's own acceptance and the step's decode batch, none past
+`spec_max_batch_size` decoding sequences, and none (not even a drafter lookup) while a
+sequence whose drafts were rejected is backing off. The drafter only proposes
+(`drafter.propose(token_ids, k)`), so any drafter plugs in under the same policy.
 
 Call order: `schedule()`, run the plan on every rank, `update(plan, sampled, forks)`, repeat;
 `add` and `abort` go between steps. Not thread-safe: the engine loop serialises calls.
