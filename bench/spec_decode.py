@@ -4,7 +4,7 @@ run, on one engine, in process (no HTTP), batched through the engine loop:
     python -m bench.spec_decode --engine DIR [--k 4] [--rounds 3] [--new-tokens 64]
                                 [--concurrency 1 16] [--sets copy free] [--out DIR]
     python -m bench.spec_decode --engine DIR --profile   # where a verify step's time goes
-    make bench-spec   # --build --out bench/results/spec/ (the demo engine, a few minutes)
+    make bench-spec   # --build --out bench/results/latest (spec.md, spec.png, spec.json)
     python -m bench.spec_decode --hf-dir DIR   # the eager path, from a checkpoint
 
 Two prompt sets, chat template, greedy with the model's own stop tokens: `copy` (answers
@@ -15,7 +15,7 @@ submitted at once and the engine loop steps until all finish. Each round runs ev
 and ngram:K adaptive (SchedulerConfig.spec_adaptive), the order rotated round by round so
 that the machine's drift spreads over all three; outputs must be identical token for
 token, and tokens/s is the output tokens over the seconds of the whole batch (prefill
-included). Prints a markdown table; with --out also writes spec.json, report.md and the
+included). Prints a markdown table; with --out also writes spec.json, spec.md and the
 chart spec.png there (`make bench-spec`).
 
 --profile runs the copy prompt (every draft accepted, so every decode step verifies K) at
@@ -257,7 +257,7 @@ def write(out: Path, label: str, args: argparse.Namespace, rows: list[dict[str, 
     if prof:
         lines += ["", "## Decode step by batch size and K (every draft accepted)", "",
                   *profile_table(prof)]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "spec.md").write_text("\n".join(lines) + "\n")
 
 
 def profile_table(prof: list[list[str]]) -> list[str]:
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="decode step time by batch and K")
     ap.add_argument("--build", action="store_true",
                     help="build (or reuse) the TP=1 aoti bf16 demo engine in engines/")
-    ap.add_argument("--out", type=Path, default=None, help="write spec.json, report.md, spec.png")
+    ap.add_argument("--out", type=Path, default=None, help="write spec.json, spec.md, spec.png")
     args = ap.parse_args(argv)
     from bench.common import demo_checkpoint
     from bench.prompts import load_tokenizer
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(rows)))
     if args.out is not None:
         write(args.out, label, args, rows, [], load)
-        print(f"report: {args.out / 'report.md'}")
+        print(f"report: {args.out / 'spec.md'}")
     return 0 if all(r["same_output"] for r in rows) else 1
 
 

@@ -11,10 +11,12 @@ from contract.speculative import Speculative
 # every draft accepted; median decode step in ms by batch B and K drafts per sequence):
 #   B=2: K=0 17.1, K=1 19.8, K=2 22.3, K=4 26.1 (5x the tokens for 1.5x the time)
 #   B=4: K=0 19.9, K=1 366, K=2 148, K=4 150
-#   B=8: K=0 303 (a loaded machine), K=1 3611
-# From 4 decoding sequences on, a verify step (1 + K tokens per sequence, unpadded, through
-# the compiled step's chunk path) costs 7-18x a decode step: more than K=4 all accepted
-# can win back, so nothing is drafted past 2. At B <= 2 one drafted token costs about
+#   B=8: K=0 303, K=1 3611
+# (one run, 2026-12-03, load average 3-4 from other jobs on the 2 cores: B=1 K=0 read
+# 112 ms where a quiet machine decodes in ~11, so single figures are noisy; the pattern
+# is not: from 4 decoding sequences on, a verify step, whose 1 + K tokens per sequence
+# run the prefill-attention group, costs 7-18x a decode step, more than K=4 all accepted
+# can win back.) So nothing is drafted past 2. At B <= 2 one drafted token costs about
 # 1-2 ms of a ~15 ms fixed step (token cost ~0.1) and a verify entry a little more.
 SPEC_MAX_BATCH_SIZE = 2
 SPEC_TOKEN_COST = 0.1
