@@ -14,7 +14,7 @@ STORE   ?= engines
 DURATION ?= 180
 ENGINE  ?=
 
-.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-gemma3 bench-peers soak faults clean
+.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-spec bench-gemma3 bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -59,6 +59,14 @@ bench-peers: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(if $(QUANT),--quant) $(if $(GEMMA3),--gemma3)
+
+# Speculative decoding on and off (issue #36): copy prompts and free generation, c=1 and
+# c=16, off / ngram:4 fixed / ngram:4 adaptive, interleaved rounds, outputs checked equal;
+# bench/results/latest/spec.md and spec.png. The TP=1 aoti demo engine is built (or reused)
+# unless ENGINE names one. A few minutes on 2 cores (the fixed-K rows at c=16 dominate).
+bench-spec: $(STAMP)
+	$(BIN)/python -m bench.spec_decode $(if $(ENGINE),--engine $(ENGINE),--build) \
+		--rounds 2 --new-tokens 48 --out bench/results/latest
 
 # Gemma 3 270M (issue 35): teacher-forced agreement with llama-server on the wheels' Q4_K_M,
 # llama.cpp's own KL of it against the float model, c=1/c=16 throughput beside llama-server

@@ -172,3 +172,31 @@ def render_all(res: dict[str, Any], out: Path, headline_level: int = 16) -> list
     if ratios:
         made.append(warmup(ratios, out / "warmup.png").name)
     return made
+
+
+def spec_decode(rows: list[dict[str, Any]], path: Path,
+                title: str = "Speculative decoding: tokens/s against speculation off") -> Path:
+    """One group of bars per (prompt set, concurrency), one bar per mode, as a ratio to off
+    (1.0 marked): where speculation pays and where it must cost nothing."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    groups = list(dict.fromkeys((r["set"], r["concurrency"]) for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        xs, ys = [], []
+        for i, g in enumerate(groups):
+            r = next((r for r in rows if (r["set"], r["concurrency"]) == g and r["mode"] == mode),
+                     None)
+            if r is not None:
+                xs.append(i + (j - (len(modes) - 1) / 2) * width)
+                ys.append(r["vs_off"])
+        bars = ax.bar(xs, ys, width, label=mode)
+        for b, y in zip(bars, ys, strict=True):
+            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center", va="bottom",
+                    fontsize=7)
+    ax.axhline(1.0, color="gray", ls=":")
+    ax.set_xticks(range(len(groups)), [f"{s}, c={c}" for s, c in groups])
+    ax.set_ylabel("output tokens/s, relative to off")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

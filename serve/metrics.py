@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from contract.speculative import DEFAULT_NUM_TOKENS
+from runtime.core.scheduler_config import SPEC_PER_POS
 from serve.gcpolicy import GENERATIONS, PauseTotals
 
 # The page is the plain text format with no `_created` series (they would double the
@@ -112,13 +114,18 @@ class ServingMetrics:
                  "Sequences started from a sibling's prefill (n > 1, best_of)."),
                 ("kv_blocks_copied_total",
                  "KV blocks copied on write when a sequence forked."),
-                # vLLM's names and meaning: drafted tokens verified, and those accepted (the
-                # acceptance rate is their ratio; mean accepted length per verify step
-                # needs the steps, a later counter).
+                # vLLM's names and meaning: verify steps per sequence (drafts), drafted
+                # tokens verified, and those accepted; the gauges below are their ratios.
+                ("spec_decode_num_drafts_total",
+                 "Speculative verify steps, counted per sequence (one sequence verifying "
+                 "its drafts in one engine step)."),
                 ("spec_decode_num_draft_tokens_total",
                  "Drafted tokens verified by speculative decoding."),
                 ("spec_decode_num_accepted_tokens_total",
                  "Drafted tokens the target model accepted."),
+                ("spec_decode_backoffs_total",
+                 "Times the adaptive policy stopped a sequence's drafting for a while "
+                 "(its drafts were not paying)."),
                 # TGI's batch_forward_duration{method=decode|prefill}, as sums: the mean step
                 # between two scrapes is the increase of the seconds over that of the steps.
                 ("decode_steps_total", "Engine steps that only decoded."),
@@ -127,6 +134,25 @@ class ServingMetrics:
                 ("prefill_steps_total", "Engine steps with prompt tokens (decodes may join)."),
                 ("prefill_step_seconds_total", "Seconds in engine steps with prompt tokens."),
             )}
+        # vLLM's spec_decode_num_accepted_tokens_per_pos: position i counts the verify steps
+        # that accepted draft i (0-based), so position 0 over num_drafts is the first
+        # draft's acceptance, and so on down the chain.
+        self.spec_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
+                                    "Verify steps that accepted the draft at this position "
+                                    "(0-based).", ("position",), registry=r)
+        for pos in range(DEFAULT_NUM_TOKENS):  # the default K's on the page from the start
+            self.spec_per_pos.labels(position=str(pos))
+        # Derived from the counters above, over the server's life (rates over a window are
+        # the ratio of the counters' increases): accepted / drafted tokens, and tokens per
+        # verify step, the bonus token included (1 + accepted / drafts; vLLM's mean
+        # acceptance length).
+        self.spec_acceptance_rate = Gauge(f"{p}spec_decode_draft_acceptance_rate",
+                                          "Accepted over drafted tokens since start (0 when "
+                                          "nothing was drafted).", registry=r)
+        self.spec_mean_accepted_length = Gauge(f"{p}spec_decode_mean_acceptance_length",
+                                               "Tokens per verify step since start: 1 + "
+                                               "accepted tokens / drafts (0 when nothing was "
+                                               "drafted).", registry=r)
         # Python's collector (serve/gcpolicy.py): a pause holds the GIL, so the engine loop and
         # the HTTP thread stall for it; the counters follow the process totals by increments.
         self.gc_pauses = Counter(f"{p}gc_pauses", "Collections of Python's cyclic garbage "
@@ -177,6 +203,16 @@ class ServingMetrics:
             for key in self.mirrored:
                 if key in extra:
                     self._follow(self.mirrored[key], (key, ""), float(extra[key]))
+            for key, value in extra.items():
+                if key.startswith(SPEC_PER_POS):
+                    pos = key.removeprefix(SPEC_PER_POS)
+                    self._follow(self.spec_per_pos.labels(position=pos), ("per_pos", pos),
+                                 float(value))
+            drafted = float(extra.get("spec_decode_num_draft_tokens_total", 0.0))
+            drafts = float(extra.get("spec_decode_num_drafts_total", 0.0))
+            accepted = float(extra.get("spec_decode_num_accepted_tokens_total", 0.0))
+            self.spec_acceptance_rate.set(accepted / drafted if drafted else 0.0)
+            self.spec_mean_accepted_length.set(1.0 + accepted / drafts if drafts else 0.0)
         for gate in gates:
             seconds = gate.get("seconds")
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):

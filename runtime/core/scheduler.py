@@ -69,7 +69,12 @@ held only rejected positions are freed at once (the next plan tells the runners 
 their block tables, `block_table_lens`), and the prefix cache only ever registers full
 blocks of computed, known tokens, so never one holding a rejected draft. Accepted tokens
 join the output one by one, so a stop token or max_tokens among them ends the sequence
-exactly where one-token decoding would.
+exactly where one-token decoding would. How many drafts a sequence gets is the adaptive
+policy's (runtime/core/spec_policy.py, `SchedulerConfig.spec_adaptive`): from the
+sequence's own acceptance and the step's decode batch, none past
+`spec_max_batch_size` decoding sequences, and none (not even a drafter lookup) while a
+sequence whose drafts were rejected is backing off. The drafter only proposes
+(`drafter.propose(token_ids, k)`), so any drafter plugs in under the same policy.
 
 Call order: `schedule()`, run the plan on every rank, `update(plan, sampled, forks)`, repeat;
 `add` and `abort` go between steps. Not thread-safe: the engine loop serialises calls.
@@ -87,6 +92,7 @@ from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.core.sequence import SeqStatus, Sequence
 from runtime.core.spec import NgramDrafter, speculable
+from runtime.core.spec_policy import AdaptivePolicy, SpecCost
 from runtime.core.types import FinishReason
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -123,6 +129,11 @@ class Scheduler:
         self._pending_lens: dict[int, int] = {}  # the next plan's block_table_lens
         spec = config.speculative
         self.drafter = NgramDrafter(spec.num_tokens) if spec is not None else None
+        # K per sequence (runtime/core/spec_policy.py); None: K whenever the drafter matches.
+        self.spec_policy = (AdaptivePolicy(SpecCost(config.spec_token_cost,
+                                                    config.spec_verify_cost),
+                                           config.spec_max_batch_size)
+                            if spec is not None and config.spec_adaptive else None)
         self._inflight: StepPlan | None = None
         self._next_arrival = 0
         self._step_id = 0
@@ -138,6 +149,8 @@ class Scheduler:
         self._rows_reclaimed = 0  # siblings preempted so a request under its share got a row
         self._spec_drafted = 0  # draft tokens verified
         self._spec_accepted = 0  # of those, accepted
+        self._spec_drafts = 0  # verify entries
+        self._spec_per_pos = [0] * (spec.num_tokens if spec is not None else 0)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -237,6 +250,7 @@ class Scheduler:
         wait_cap = cfg.max_prefill_tokens_while_waiting if reserve else None
 
         decodes_left = sum(1 for s in self._running if s.num_uncomputed_tokens == 1)
+        num_decoding = decodes_left  # the batch size the adaptive policy weighs drafts by
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
@@ -246,7 +260,8 @@ class Scheduler:
                 decodes_left -= 1
                 # Drafts leave a token for every later decode and the waiting's reserve.
                 drafts = self._draft(seq, budget - 1 - decodes_left - reserve,
-                                     rows_left - 1 - (len(self._running) - i - 1))
+                                     rows_left - 1 - (len(self._running) - i - 1),
+                                     num_decoding)
                 num_new += len(drafts)
             capped = False  # a chunk that counts against wait_cap
             if num_new > 1 and not drafts:  # a prompt chunk (or a restarted sequence's recompute)
@@ -442,6 +457,10 @@ class Scheduler:
             rows_reclaimed_total=self._rows_reclaimed,
             spec_draft_tokens_total=self._spec_drafted,
             spec_accepted_tokens_total=self._spec_accepted,
+            spec_drafts_total=self._spec_drafts,
+            spec_accepted_per_pos=tuple(self._spec_per_pos),
+            spec_backoffs_total=(self.spec_policy.backoffs_total
+                                 if self.spec_policy is not None else 0),
         )
 
     # ---- internals ---------------------------------------------------------------------
@@ -522,16 +541,27 @@ class Scheduler:
             return 0, 0  # its turn cannot come this step anyway
         return reserve, want.params.priority
 
-    def _draft(self, seq: Sequence, tokens_left: int, rows_left: int) -> list[int]:
+    def _draft(self, seq: Sequence, tokens_left: int, rows_left: int, batch: int
+               ) -> list[int]:
         """Drafts to verify after a decoding sequence's last token: none unless it may
-        speculate; at most K, the tokens and logits rows the step can spare, and one fewer
+        speculate; at most K (or what the adaptive policy allows it, among `batch`
+        decoding sequences), the tokens and logits rows the step can spare, and one fewer
         than the tokens max_tokens still allows (a verify step yields up to K + 1)."""
         if self.drafter is None or not speculable(seq.params, seq.num_output_tokens,
                                                   bool(self._stop_ids[seq.seq_id])):
             return []
         k = min(self.drafter.num_tokens, tokens_left, rows_left,
                 seq.params.max_tokens - seq.num_output_tokens - 1)
-        return self.drafter.propose(seq.token_ids, k) if k > 0 else []
+        policy = self.spec_policy
+        if policy is not None:
+            # Asked before the drafter: a sequence that does not draft costs no lookup.
+            k = policy.k_for(seq.seq_id, k, batch)
+        if k < 1:
+            return []
+        drafts = self.drafter.propose(seq.token_ids, k)
+        if not drafts and policy is not None:
+            policy.no_draft(seq.seq_id)
+        return drafts
 
     def _verified(self, seq: Sequence, entry: ScheduledSeq, kept: Seq[int]) -> bool:
         """A verify step's rollback and its accepted drafts: computed tokens up to the last
@@ -539,6 +569,11 @@ class Scheduler:
         by one. False if one of them ended the sequence."""
         self._spec_drafted += len(entry.draft_token_ids)
         self._spec_accepted += len(kept)
+        self._spec_drafts += 1
+        for pos in range(len(kept)):
+            self._spec_per_pos[pos] += 1
+        if self.spec_policy is not None:
+            self.spec_policy.observe(seq.seq_id, len(entry.draft_token_ids), len(kept))
         seq.num_computed_tokens = entry.num_computed_tokens + 1 + len(kept)
         keep = self.block_manager.blocks_needed(seq.num_computed_tokens)
         if len(seq.block_ids) > keep:
@@ -660,6 +695,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.fork_pending = False
         seq.fork_rows = 1
+        if self.spec_policy is not None:
+            self.spec_policy.forget(seq.seq_id)
         del self._seqs[seq.seq_id]
         del self._stop_ids[seq.seq_id]
 

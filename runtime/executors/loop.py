@@ -22,6 +22,7 @@ from runtime.core.plan import StepPlan
 from runtime.core.requests import Group, RequestTable
 from runtime.core.sampler import Sampler, make_generator
 from runtime.core.scheduler import Scheduler, SchedulerConfig
+from runtime.core.scheduler_config import SPEC_PER_POS
 from runtime.core.sequence import Sequence
 from runtime.core.types import (
     EventCallback,
@@ -213,6 +214,11 @@ class LLMEngine:
                    "spec_decode_num_draft_tokens_total": float(s.spec_draft_tokens_total),
                    "spec_decode_num_accepted_tokens_total":
                        float(s.spec_accepted_tokens_total),
+                   "spec_decode_num_drafts_total": float(s.spec_drafts_total),
+                   "spec_decode_backoffs_total": float(s.spec_backoffs_total),
+                   # vLLM's per-position counter, one key per draft position
+                   **{f"{SPEC_PER_POS}{i}": float(n)
+                      for i, n in enumerate(s.spec_accepted_per_pos)},
                    **self._step_time},
         )
 

@@ -354,10 +354,14 @@ class TorchServing(Serving):
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
         ev["max_prefill_tokens_while_waiting"] = wait_cap or "no cap"
+        self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
+        # The drafter and how K is chosen per sequence (runtime/core/spec_policy.py).
+        policy = self._engine.scheduler.spec_policy
         ev["speculative"] = {
             "drafter": str(spec) if spec else "off",
-            "from": "the engine's manifest" if cfg.speculative is None else "--speculative"}
-        self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
+            "from": "the engine's manifest" if cfg.speculative is None else "--speculative",
+            **({"policy": policy.describe() if policy is not None else {"policy": "fixed K"}}
+               if spec else {})}
         return self._engine
 
     def poll(self, timeout: float) -> None:

@@ -54,8 +54,21 @@ def test_greedy_completions_equal_transformers_with_drafts_accepted(
     drafted = counter(page, "llmserve_spec_decode_num_draft_tokens_total")
     accepted = counter(page, "llmserve_spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= drafted
+    drafts = counter(page, "llmserve_spec_decode_num_drafts_total")
+    assert drafts > 0 and accepted <= 4 * drafts
+    # vLLM's per-position counts: position 0 counts every verify step that accepted
+    # anything, and each later position no more than the one before it
+    per_pos = [counter(page, f'llmserve_spec_decode_num_accepted_tokens_per_pos_total'
+                             f'{{position="{i}"}}') for i in range(4)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert counter(page, "llmserve_spec_decode_draft_acceptance_rate") == pytest.approx(
+        accepted / drafted)
+    assert counter(page, "llmserve_spec_decode_mean_acceptance_length") == pytest.approx(
+        1 + accepted / drafts)
     report = spec_server.call("GET", "/v1/engine").json()
-    assert report["speculative"] == {"drafter": "ngram:4", "from": "--speculative"}
+    spec = report["speculative"]
+    assert (spec["drafter"], spec["from"]) == ("ngram:4", "--speculative")
+    assert spec["policy"]["policy"] == "adaptive" and spec["policy"]["max_batch_size"] >= 1
 
 
 ACCEPTED = "llmserve_spec_decode_num_accepted_tokens_total"

@@ -39,7 +39,8 @@ def main() -> None:
             worker_loop(runner, comm)
             continue
         sc = SchedulerConfig(8, 64, BLOCK, 256, 256, cfg.eos_token_ids,
-                             enable_prefix_caching=True, speculative=spec)
+                             enable_prefix_caching=True, speculative=spec,
+                             spec_max_batch_size=8)  # the verify path at every batch size
         engine = LLMEngine(runner, sc, comm)
         if reqs is None:
             reqs = build_workload(engine)

@@ -25,7 +25,8 @@ def make_engine(path: Path, spec: Speculative | None, caching: bool = True,
                 max_tokens: int = 64) -> LLMEngine:
     runner, cfg = runner_from_checkpoint(path, TPContext(), "float32", 256, BLOCK)
     sc = SchedulerConfig(8, max_tokens, BLOCK, 256, 256, cfg.eos_token_ids,
-                         enable_prefix_caching=caching, speculative=spec)
+                         enable_prefix_caching=caching, speculative=spec,
+                         spec_max_batch_size=8)  # the verify path at every batch size
     return LLMEngine(runner, sc)
 
 

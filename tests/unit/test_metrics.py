@@ -109,10 +109,24 @@ EXPECTED = {
         ("counter", "Sequences started from a sibling's prefill (n > 1, best_of).", ()),
     "llmserve_kv_blocks_copied_total":
         ("counter", "KV blocks copied on write when a sequence forked.", ()),
+    "llmserve_spec_decode_num_drafts_total":
+        ("counter", "Speculative verify steps, counted per sequence (one sequence verifying "
+         "its drafts in one engine step).", ()),
     "llmserve_spec_decode_num_draft_tokens_total":
         ("counter", "Drafted tokens verified by speculative decoding.", ()),
     "llmserve_spec_decode_num_accepted_tokens_total":
         ("counter", "Drafted tokens the target model accepted.", ()),
+    "llmserve_spec_decode_backoffs_total":
+        ("counter", "Times the adaptive policy stopped a sequence's drafting for a while "
+         "(its drafts were not paying).", ()),
+    "llmserve_spec_decode_num_accepted_tokens_per_pos_total":
+        ("counter", "Verify steps that accepted the draft at this position (0-based).",
+         ("position",)),
+    "llmserve_spec_decode_draft_acceptance_rate":
+        ("gauge", "Accepted over drafted tokens since start (0 when nothing was drafted).", ()),
+    "llmserve_spec_decode_mean_acceptance_length":
+        ("gauge", "Tokens per verify step since start: 1 + accepted tokens / drafts (0 when "
+         "nothing was drafted).", ()),
     "llmserve_decode_steps_total": ("counter", "Engine steps that only decoded.", ()),
     "llmserve_decode_step_seconds_total":
         ("counter", "Seconds in engine steps that only decoded (schedule to sampled tokens).",
@@ -273,6 +287,7 @@ def test_label_values_are_escaped_and_survive_a_round_trip() -> None:
 
 
 def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
+    from runtime.core.scheduler_config import SPEC_PER_POS
     from runtime.core.types import ExecutorStats
 
     m = ServingMetrics()
@@ -288,6 +303,18 @@ def test_executor_totals_are_mirrored_as_counters_that_never_go_back() -> None:
     page = parse(render(m))
     assert page.value("llmserve_spec_decode_num_draft_tokens_total") == 20.0
     assert page.value("llmserve_spec_decode_num_accepted_tokens_total") == 12.0
+    assert page.value("llmserve_spec_decode_draft_acceptance_rate") == 0.6
+    # vLLM's per-position counter and the mean acceptance length (bonus token included)
+    m.refresh(ExecutorStats(extra={"spec_decode_num_draft_tokens_total": 20.0,
+                                   "spec_decode_num_accepted_tokens_total": 12.0,
+                                   "spec_decode_num_drafts_total": 6.0,
+                                   f"{SPEC_PER_POS}0": 5.0, f"{SPEC_PER_POS}1": 4.0,
+                                   f"{SPEC_PER_POS}2": 2.0, f"{SPEC_PER_POS}3": 1.0}), [])
+    page = parse(render(m))
+    assert page.value("llmserve_spec_decode_num_drafts_total") == 6.0
+    assert [page.value("llmserve_spec_decode_num_accepted_tokens_per_pos_total",
+                       position=str(i)) for i in range(4)] == [5.0, 4.0, 2.0, 1.0]
+    assert page.value("llmserve_spec_decode_mean_acceptance_length") == 3.0
 
 
 def test_gc_pauses_are_mirrored_by_generation_from_the_process_totals() -> None:

@@ -15,6 +15,7 @@ from runtime.core.plan import ScheduledSeq, StepPlan
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
 from runtime.core.spec import NgramDrafter, accept_greedy, speculable
+from runtime.core.spec_policy import MAX_BACKOFF, MIN_BACKOFF, AdaptivePolicy, SpecCost
 from runtime.core.types import GuidedSpec, SamplingParams
 from runtime.dist.wire import plan_from_wire, plan_to_wire
 from tests.unit.test_scheduler import MirrorRunner, reference_output
@@ -156,7 +157,8 @@ def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
 def config(**kw: object) -> SchedulerConfig:
     base: dict[str, object] = dict(max_batch_size=8, max_num_tokens=64, block_size=4,
                                    num_blocks=1 + 200, max_seq_len=64, eos_token_ids=(EOS,),
-                                   speculative=Speculative("ngram", 4))
+                                   speculative=Speculative("ngram", 4),
+                                   spec_max_batch_size=8)  # verify at every batch size
     base.update(kw)
     return SchedulerConfig(**base)  # type: ignore[arg-type]
 
@@ -168,14 +170,24 @@ def config(**kw: object) -> SchedulerConfig:
     dict(max_num_tokens=10, num_blocks=1 + 24, enable_prefix_caching=True),  # preemption
     dict(block_size=1, speculative=Speculative("ngram", 7)),
     dict(max_batch_size=4, max_num_tokens=12, max_logit_rows=6),
-], ids=["roomy", "cache", "tight-cache", "block1", "rows"])
+    dict(spec_adaptive=False),  # K whenever the drafter matches
+    dict(max_batch_size=4, spec_max_batch_size=2),  # drafts only while few decode
+], ids=["roomy", "cache", "tight-cache", "block1", "rows", "fixed-k", "adaptive-costly"])
 def test_outputs_equal_one_token_decoding(seed: int, kw: dict[str, object]) -> None:
     reqs = requests(seed, 30)
     results, sched = run(config(**kw), reqs, seed=seed)
     assert results == {i: expected(p, sp) for i, (p, sp) in enumerate(reqs)}
     stats = sched.stats()
     assert stats.spec_draft_tokens_total > 0
-    assert 0 < stats.spec_accepted_tokens_total <= stats.spec_draft_tokens_total
+    assert 0 <= stats.spec_accepted_tokens_total <= stats.spec_draft_tokens_total
+    assert stats.spec_accepted_tokens_total > 0 or "spec_max_batch_size" in kw
+    # vLLM's counters agree: per-position counts sum to the accepted tokens and never grow
+    # down the chain; a verify step drafts 1..K tokens
+    per_pos = stats.spec_accepted_per_pos
+    assert sum(per_pos) == stats.spec_accepted_tokens_total
+    assert list(per_pos) == sorted(per_pos, reverse=True)
+    k = (kw.get("speculative") or Speculative("ngram", 4)).num_tokens  # type: ignore[attr-defined]
+    assert stats.spec_drafts_total <= stats.spec_draft_tokens_total <= k * stats.spec_drafts_total
 
 
 def test_without_a_drafter_nothing_is_drafted() -> None:
@@ -343,3 +355,88 @@ def test_the_runner_pads_prompt_steps_but_not_verify_steps() -> None:
         ScheduledSeq(0, 7, 6, [3, 4], True, 0, [4, 5, 6, 7, 8])]))
     assert seen == [16, 6]
     assert sampled == [0] and logits is not None and logits.shape[0] == 6
+
+
+# ---- the adaptive policy ----------------------------------------------------------------
+
+COST = SpecCost(token=0.03, verify=0.1)
+
+
+def test_cost_model_drafts_more_when_acceptance_is_high_and_none_when_it_does_not_pay() -> None:
+    assert COST.best_k(1.0, 4, 1) == 4
+    assert COST.best_k(0.95, 8, 1) == 8
+    assert 0 < COST.best_k(0.5, 8, 1) < 8
+    assert COST.best_k(0.02, 4, 1) == 0
+    # a step of many sequences makes every drafted token cost more of everyone's time
+    ks = [COST.best_k(0.5, 8, b) for b in (1, 4, 16, 64)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] < ks[0]
+    assert COST.best_k(0.3, 4, 64) == 0
+
+
+def test_k_shrinks_on_rejection_backs_off_probes_and_grows_back() -> None:
+    policy = AdaptivePolicy(COST, max_batch_size=8)
+    assert policy.k_for(1, 4, 1) == 4  # optimistic start: copying pays from the first step
+    policy.observe(1, 4, 0)
+    ks = []
+    while not ks or ks[-1]:  # every draft rejected, until it stops drafting
+        ks.append(policy.k_for(1, 4, 1))
+        if ks[-1]:
+            policy.observe(1, ks[-1], 0)
+        assert len(ks) < 10
+    assert ks == sorted(ks, reverse=True) and 0 < ks[-2] < 4  # shrinks, then stops
+    assert policy.backoffs_total == 1
+    # a pause of MIN_BACKOFF decode steps without drafts, then a one-token probe
+    st = policy.states[1]
+    for _ in range(st.pause - 1):
+        assert policy.k_for(1, 4, 1) == 0
+    assert policy.k_for(1, 4, 1) == 1
+    policy.observe(1, 1, 0)  # rejected: the next pause is twice as long
+    assert st.backoff == 2 * MIN_BACKOFF and st.pause == 2 * MIN_BACKOFF
+    for _ in range(2 * MIN_BACKOFF - 1):
+        assert policy.k_for(1, 4, 1) == 0
+    assert policy.k_for(1, 4, 1) == 1
+    policy.observe(1, 1, 1)  # accepted: it copies again; K grows back with acceptance
+    assert st.backoff == MIN_BACKOFF
+    grown = []
+    for _ in range(12):
+        k = policy.k_for(1, 4, 1)
+        grown.append(k)
+        if k:
+            policy.observe(1, k, k)
+    assert grown[-1] == 4 and grown == sorted(grown)
+    policy.forget(1)
+    assert 1 not in policy.states
+
+
+def test_backoff_is_bounded_and_an_empty_probe_is_not_a_failure() -> None:
+    policy = AdaptivePolicy(COST, max_batch_size=8)
+    st = None
+    verified = 0
+    for _ in range(200):  # free generation: nothing is ever accepted
+        k = policy.k_for(2, 4, 1)
+        st = policy.states[2]
+        if k:
+            verified += 1
+            policy.observe(2, k, 0)
+    assert st is not None and st.backoff == MAX_BACKOFF
+    assert verified <= 12  # a few steps to learn, then a probe every 8, 16, ... 64 steps
+    while policy.k_for(2, 4, 1) == 0:
+        pass
+    policy.no_draft(2)  # the drafter had nothing: no evidence either way
+    assert not st.probing and st.backoff == MAX_BACKOFF
+
+
+def test_no_drafting_above_the_batch_threshold() -> None:
+    policy = AdaptivePolicy(COST, max_batch_size=4)
+    assert policy.k_for(1, 4, 4) > 0
+    assert policy.k_for(1, 4, 5) == 0
+    # through the scheduler: three decoding sequences, threshold 2 -> no drafts; 3 -> drafts
+    for limit, want in ((2, False), (3, True)):
+        sched = Scheduler(config(block_size=4, spec_max_batch_size=limit))
+        for i in range(3):
+            sched.add(Sequence(i, f"r{i}", [1, 2, 3, 4, 5, 6], SamplingParams(**GREEDY)))  # type: ignore[arg-type]
+        plan = sched.schedule()
+        sched.update(plan, {s.seq_id: 1 for s in plan.scheduled})
+        plan = sched.schedule()
+        assert len(plan.scheduled) == 3
+        assert any(s.draft_token_ids for s in plan.scheduled) is want
