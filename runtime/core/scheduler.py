@@ -86,7 +86,7 @@ from runtime.core.limits import output_budget, stop_ids
 from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.core.sequence import SeqStatus, Sequence
-from runtime.core.spec import NgramDrafter, speculable
+from runtime.core.spec import Drafter, NgramDrafter, speculable
 from runtime.core.types import FinishReason
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -105,7 +105,9 @@ class Scheduler:
     and fork sequences and keep the prefix cache's registrations, always leaving blocks,
     queues and runners' knowledge in agreement."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, drafter: Drafter | None = None) -> None:
+        """`drafter`: the one a draft engine needs (runtime/executors/draft.py, built by the
+        executor layer, which this layer may not import); n-gram drafting needs none."""
         self.config = config
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
@@ -122,7 +124,11 @@ class Scheduler:
         self._pending_accepted: dict[int, list[int]] = {}  # the next plan's accepted_tokens
         self._pending_lens: dict[int, int] = {}  # the next plan's block_table_lens
         spec = config.speculative
-        self.drafter = NgramDrafter(spec.num_tokens) if spec is not None else None
+        if spec is not None and spec.method == "draft" and drafter is None:
+            raise ValueError(f"speculative {spec} needs its draft engine's drafter")
+        if drafter is None and spec is not None:
+            drafter = NgramDrafter(spec.num_tokens)
+        self.drafter: Drafter | None = drafter
         self._inflight: StepPlan | None = None
         self._next_arrival = 0
         self._step_id = 0
@@ -237,6 +243,8 @@ class Scheduler:
         wait_cap = cfg.max_prefill_tokens_while_waiting if reserve else None
 
         decodes_left = sum(1 for s in self._running if s.num_uncomputed_tokens == 1)
+        if self.drafter is not None:
+            self._prepare_drafts()
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
@@ -531,7 +539,22 @@ class Scheduler:
             return []
         k = min(self.drafter.num_tokens, tokens_left, rows_left,
                 seq.params.max_tokens - seq.num_output_tokens - 1)
-        return self.drafter.propose(seq.token_ids, k) if k > 0 else []
+        return self.drafter.propose(seq.token_ids, k, seq.seq_id) if k > 0 else []
+
+    def _prepare_drafts(self) -> None:
+        """Tell the drafter, once per step, which sequences may draft and how many tokens
+        at most (a draft engine drafts them all in one batch; `_draft` then takes what
+        the step's budget allows)."""
+        assert self.drafter is not None
+        out = []
+        for seq in self._running:
+            if seq.num_uncomputed_tokens != 1 or not speculable(
+                    seq.params, seq.num_output_tokens, bool(self._stop_ids[seq.seq_id])):
+                continue
+            k = min(self.drafter.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if k > 0:
+                out.append((seq.seq_id, seq.token_ids, k))
+        self.drafter.prepare(out)
 
     def _verified(self, seq: Sequence, entry: ScheduledSeq, kept: Seq[int]) -> bool:
         """A verify step's rollback and its accepted drafts: computed tokens up to the last
@@ -638,6 +661,8 @@ class Scheduler:
         self._pending_accepted.pop(seq.seq_id, None)
         self._pending_lens.pop(seq.seq_id, None)
         self._fresh_forks.discard(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         if seq.seq_id in self._known_to_runners:
             self._known_to_runners.remove(seq.seq_id)
             self._pending_freed.append(seq.seq_id)
