@@ -1,8 +1,14 @@
-"""Issue #36's measurement: speculative decoding (n-gram prompt lookup) on and off, in one
-run, on one engine, at concurrency 1, in process (no HTTP):
+"""Issue #36's measurement: speculative decoding (n-gram prompt lookup, and a draft
+engine) on and off, in one run, on one engine, at concurrency 1, in process (no HTTP):
 
     python -m bench.spec_decode --engine DIR [--k 4 6] [--rounds 3] [--new-tokens 160]
+    python -m bench.spec_decode --engine DIR --draft DRAFT_DIR [--draft-k 4]
     python -m bench.spec_decode --hf-dir DIR   # the eager path, from a checkpoint
+
+With --draft (a TP=1 engine of the same tokenizer, e.g. the int4_wo build of the same
+model), draft:K runs beside ngram:K; its drafter is loaded as the server loads it (files
+verified, its own KV cache) and the table splits each step's time into the draft's
+(catch-up plus K - 1 decodes) and the target's (the verify step).
 
 Prompts whose answers copy their prompt ("Repeat this text exactly: ...", chat template)
 and one of free generation. Each round runs every prompt with speculation off, then with
@@ -75,34 +81,66 @@ def make_runner(engine_dir: Path | None, hf_dir: Path | None) -> tuple[Any, Any,
     return runner, (cfg, p, blocks), label
 
 
-def engine_for(runner: Any, setup: Any, k: int) -> Any:
+Mode = tuple[str, int]  # ("off", 0), ("ngram", K), ("draft", K)
+
+
+def load_drafter(draft_dir: Path, k: int, setup: Any) -> Any:
+    """The draft engine's drafter, as the serving job builds it (serve/backends/torch.py)."""
+    from contract.speculative import Speculative
+    from runtime.executors.draft import check_draft, load_draft, open_draft, vocab_hashes_of
+
+    cfg, p, blocks = setup
+    spec = Speculative("draft", k, engine=str(draft_dir))
+    path, dm, dcfg = open_draft(spec)
+    check_draft(dm, dcfg, path, k, device=dm.target.device, vocab_size=cfg.vocab_size,
+                vocab=vocab_hashes_of(path))
+    draft_blocks = (blocks - 1) * p.tokens_per_block // dm.profile.tokens_per_block + 8
+    return load_draft(spec, path, dm, draft_blocks), spec
+
+
+def engine_for(runner: Any, setup: Any, mode: Mode, draft: Any = None) -> Any:
     from contract.speculative import Speculative
     from runtime.core.scheduler import SchedulerConfig
     from runtime.executors.loop import LLMEngine
 
     cfg, p, blocks = setup
+    method, k = mode
+    drafter, spec = None, None
+    if method == "ngram":
+        spec = Speculative("ngram", k)
+    elif method == "draft":
+        drafter, spec = draft
     sc = SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block, blocks,
                          p.max_seq_len, cfg.eos_token_ids, enable_prefix_caching=False,
-                         speculative=Speculative("ngram", k) if k else None)
-    return LLMEngine(runner, sc)
+                         speculative=spec)
+    return LLMEngine(runner, sc, drafter=drafter)
 
 
-def one(runner: Any, setup: Any, k: int, prompt: list[int], new_tokens: int
-        ) -> tuple[list[int], float, dict[str, float]]:
+def one(runner: Any, setup: Any, mode: Mode, prompt: list[int], new_tokens: int,
+        draft: Any = None) -> tuple[list[int], float, dict[str, float]]:
     from runtime.core.types import SamplingParams
 
-    engine = engine_for(runner, setup, k)
+    engine = engine_for(runner, setup, mode, draft)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    drafter = draft[0] if draft and mode[0] == "draft" else None
+    d0 = drafter.stats.seconds if drafter else 0.0
     t = time.perf_counter()
     (out,) = engine.generate([prompt], [params])
-    return out, time.perf_counter() - t, engine.stats().extra
+    seconds = time.perf_counter() - t
+    extra = dict(engine.stats().extra)
+    extra["steps"] = float(engine.stats().steps_total)
+    extra["draft_seconds"] = drafter.stats.seconds - d0 if drafter else 0.0
+    return out, seconds, extra
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engine", type=Path, default=None, help="a built TP=1 engine")
     ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 6], help="ngram K values")
+    ap.add_argument("--draft", type=Path, default=None,
+                    help="a draft engine (TP=1, same tokenizer): adds draft:K")
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[4])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--prompts", nargs="+", choices=sorted(PROMPTS), default=list(PROMPTS))
@@ -117,38 +155,56 @@ def main(argv: list[str] | None = None) -> int:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
         add_special_tokens=False)["input_ids"]) for name, text in PROMPTS.items()
         if name in args.prompts}
-    one(runner, setup, 0, next(iter(prompts.values())), 8)  # warm the allocator, thread pool and kernels
-    ks = [0, *args.k]
-    secs: dict[tuple[str, int], list[float]] = {}
-    outs: dict[tuple[str, int], list[int]] = {}
-    accept: dict[tuple[str, int], tuple[float, float]] = {}
+    modes: list[Mode] = [("off", 0), *(("ngram", k) for k in args.k)]
+    drafts: dict[int, Any] = {}
+    if args.draft is not None:
+        for k in args.draft_k:
+            drafts[k] = load_drafter(args.draft, k, setup)
+            modes.append(("draft", k))
+    first = next(iter(prompts.values()))
+    for mode in modes:  # warm the allocator, thread pool and kernels (the draft's too)
+        one(runner, setup, mode, first, 8, drafts.get(mode[1]))
+    secs: dict[tuple[str, Mode], list[float]] = {}
+    outs: dict[tuple[str, Mode], list[int]] = {}
+    extras: dict[tuple[str, Mode], dict[str, float]] = {}
     for r in range(args.rounds):
         for name, ids in prompts.items():
-            for k in ks:
-                out, s, extra = one(runner, setup, k, list(ids), args.new_tokens)
-                secs.setdefault((name, k), []).append(s)
-                if outs.setdefault((name, k), out) != out:
-                    raise RuntimeError(f"{name} K={k}: output changed between rounds")
-                accept[(name, k)] = (extra.get("spec_decode_num_draft_tokens_total", 0.0),
-                                     extra.get("spec_decode_num_accepted_tokens_total", 0.0))
-                print(f"round {r} {name} K={k}: {len(out)} tokens {len(out) / s:.1f} tok/s",
-                      flush=True)
+            for mode in modes:
+                out, s, extra = one(runner, setup, mode, list(ids), args.new_tokens,
+                                    drafts.get(mode[1]))
+                secs.setdefault((name, mode), []).append(s)
+                if outs.setdefault((name, mode), out) != out:
+                    raise RuntimeError(f"{name} {mode}: output changed between rounds")
+                extras.setdefault((name, mode), extra)
+                print(f"round {r} {name} {mode[0]}:{mode[1]}: {len(out)} tokens "
+                      f"{len(out) / s:.1f} tok/s", flush=True)
     rows = []
     for name, ids in prompts.items():
-        base = outs[(name, 0)]
-        base_rate = len(base) / statistics.median(secs[(name, 0)])
-        for k in ks:
-            out = outs[(name, k)]
-            rate = len(out) / statistics.median(secs[(name, k)])
-            drafted, accepted = accept[(name, k)]
-            rows.append([name, len(ids), "off" if not k else f"ngram:{k}", len(out),
-                         f"{rate:.1f}", f"{rate / base_rate:.2f}x",
+        base = outs[(name, ("off", 0))]
+        base_rate = len(base) / statistics.median(secs[(name, ("off", 0))])
+        for mode in modes:
+            out = outs[(name, mode)]
+            sec = statistics.median(secs[(name, mode)])
+            rate = len(out) / sec
+            ex = extras[(name, mode)]
+            drafted = ex.get("spec_decode_num_draft_tokens_total", 0.0)
+            accepted = ex.get("spec_decode_num_accepted_tokens_total", 0.0)
+            steps = ex["steps"]
+            # Per step, of the first round's run: the draft's share, and the rest (the
+            # target's step: prefill or verify, sampling and scheduling included).
+            draft_ms = 1000 * ex["draft_seconds"] / steps
+            step_ms = 1000 * (secs[(name, mode)][0] - ex["draft_seconds"]) / steps
+            rows.append([name, len(ids), "off" if mode[0] == "off" else f"{mode[0]}:{mode[1]}",
+                         len(out), f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                          f"{accepted / drafted:.2f}" if drafted else "-",
+                         f"{len(out) / steps:.2f}", f"{step_ms:.1f}",
+                         f"{draft_ms:.1f}" if mode[0] == "draft" else "-",
                          "yes" if out == base else "NO"])
     info = machine_info()
     print(f"\n{label}; c=1, greedy, median of {args.rounds} rounds; {info}\n")
     print("\n".join(md_table(["prompt", "prompt tokens", "speculative", "output tokens",
-                              "tok/s", "vs off", "accepted/drafted", "same output"], rows)))
+                              "tok/s", "vs off", "accepted/drafted", "tokens/step",
+                              "target ms/step", "draft ms/step", "same output"], rows)))
     return 0
 
 

@@ -34,6 +34,8 @@ step are dropped first, and a sequence that still does not fit drafts nothing th
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,12 +260,24 @@ def open_draft(spec: Speculative) -> tuple[Path, Manifest, ModelConfig]:
     return path, m, cfg
 
 
-def check_draft(target: Manifest, target_cfg: ModelConfig, target_dir: Path | None,
-                draft: Manifest, draft_cfg: ModelConfig, draft_dir: Path,
-                num_tokens: int, check_host: bool = True) -> None:
-    """DraftEngineError unless the draft can draft for the target here: TP=1, a torch
-    backend, built for this host (and this torch when compiled), the same vocabulary and
-    tokenizer files, and K + 1 tokens within its step bound."""
+def vocab_hashes(manifest: Manifest) -> dict[str, str]:
+    """The sha256 of each file of an engine that maps text to ids (VOCAB_FILES)."""
+    return {f.path: f.sha256 for f in manifest.files if f.path in VOCAB_FILES}
+
+
+def vocab_hashes_of(directory: Path) -> dict[str, str]:
+    """The same for a checkpoint directory (the build's source)."""
+    return {n: hashlib.sha256((directory / n).read_bytes()).hexdigest()
+            for n in VOCAB_FILES if (directory / n).is_file()}
+
+
+def check_draft(draft: Manifest, draft_cfg: ModelConfig, draft_dir: Path, num_tokens: int, *,
+                device: str, vocab_size: int, vocab: dict[str, str],
+                check_host: bool = True) -> None:
+    """DraftEngineError unless the draft can draft for a target (on `device`, with
+    `vocab_size` ids and `vocab` its VOCAB_FILES' digests) here: TP=1, a torch backend,
+    built for this host (and this torch when compiled), the same vocabulary and tokenizer
+    files, and K + 1 tokens within its step bound."""
     where = f"the draft engine {draft_dir}"
     if draft.tp != 1:
         raise DraftEngineError(f"{where} is TP={draft.tp}; a draft runs on rank 0 alone",
@@ -279,23 +293,31 @@ def check_draft(target: Manifest, target_cfg: ModelConfig, target_dir: Path | No
         if draft.backend == "aoti" and built != torch.__version__:
             raise DraftEngineError(f"{where}'s kernels were compiled by torch {built}, this "
                                    f"host runs {torch.__version__}", "rebuild it on this host")
-    if draft.target.device != target.target.device:
+    if draft.target.device != device:
         raise DraftEngineError(f"{where} runs on {draft.target.device}, the engine on "
-                               f"{target.target.device}", "build both for the same target")
-    if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise DraftEngineError(
-            f"{where} has a vocabulary of {draft_cfg.vocab_size} tokens, the engine "
-            f"{target_cfg.vocab_size}", "draft with an engine of the same tokenizer")
-    mine = {f.path: f.sha256 for f in target.files}
-    theirs = {f.path: f.sha256 for f in draft.files}
-    for name in VOCAB_FILES:
-        if name in mine and mine.get(name) != theirs.get(name):
-            raise DraftEngineError(f"{where}'s {name} differs from the engine's",
-                                   "draft with an engine of the same tokenizer")
+                               f"{device}", "build both for the same target")
+    same = "draft with an engine built from a checkpoint with the engine's tokenizer"
+    if draft_cfg.vocab_size != vocab_size:
+        raise DraftEngineError(f"{where} has a vocabulary of {draft_cfg.vocab_size} ids, the "
+                               f"engine {vocab_size}", same)
+    theirs = vocab_hashes(draft)
+    for name, digest in vocab.items():
+        if theirs.get(name) != digest:
+            raise DraftEngineError(f"{where}'s {name} differs from the engine's", same)
     if num_tokens + 1 > draft.profile.max_num_tokens:
         raise DraftEngineError(f"K={num_tokens} drafts need {num_tokens + 1} tokens a step, "
-                               f"{where} computes {draft.profile.max_num_tokens}",
-                               "lower K")
+                               f"{where} computes {draft.profile.max_num_tokens}", "lower K")
+
+
+def pin_draft(spec: Speculative, device: str, vocab_size: int,
+              vocab: dict[str, str]) -> Speculative:
+    """`pipeline build --speculative draft:...`: the draft checked against the engine being
+    built, recorded by absolute path and engine id (a server refuses another engine found
+    at that path later)."""
+    path, m, cfg = open_draft(spec)
+    check_draft(m, cfg, path, spec.num_tokens, device=device, vocab_size=vocab_size,
+                vocab=vocab)
+    return dataclasses.replace(spec, engine=str(path.resolve()), engine_id=m.engine_id)
 
 
 def load_draft(spec: Speculative, path: Path, manifest: Manifest, num_blocks: int,
