@@ -91,6 +91,11 @@ class DraftEngineDrafter:
         """`num_blocks`: the runner's KV cache's blocks (the null block included);
         `max_num_tokens`: the draft engine's step bound (its build profile's)."""
         self.runner = runner
+        # A draft's catch-up after a verify step is a "prompt" chunk of 2 .. K + 1 tokens
+        # per sequence: padded to the runner's token bucket it would cost the compute of a
+        # 16-token step every step (as verify rows did, runner.py). Steps up to a whole
+        # bucket keep their exact shape: still a bounded set of shapes.
+        runner.pad_from = max(runner.pad_from, runner.token_bucket)
         self.num_tokens = num_tokens
         self.max_num_tokens = max_num_tokens
         self.blocks = BlockManager(num_blocks, runner.block_size)

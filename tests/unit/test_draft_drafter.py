@@ -29,6 +29,7 @@ class FakeDraftRunner:
 
     def __init__(self, block_size: int, model: Model) -> None:
         self.block_size, self.model = block_size, model
+        self.token_bucket, self.pad_from = 16, 4
         self.seqs: dict[int, SeqState] = {}
         self.kv: dict[int, tuple[int, ...]] = {}
         self.steps: list[list[tuple[int, int, int]]] = []  # (seq, start, n) per step
@@ -73,7 +74,9 @@ def drafter(model: Model = next_token, k: int = 4, blocks: int = 64, block_size:
 
 def test_both_drafters_satisfy_the_protocol() -> None:
     assert isinstance(NgramDrafter(4), Drafter)
-    assert isinstance(drafter(), Drafter)
+    d = drafter()
+    assert isinstance(d, Drafter)
+    assert d.runner.pad_from == 16  # catch-up chunks of up to a bucket are not padded
 
 
 def test_common_prefix() -> None:
