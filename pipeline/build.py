@@ -32,6 +32,7 @@ from contract.manifest import (
     write_manifest,
 )
 from contract.quant import Quantization
+from contract.speculative import Speculative
 from contract.target import Target
 from pipeline.checkpoint import ResolvedSource, checkpoint_digest, checkpoint_files
 from pipeline.config import BuildConfig
@@ -138,6 +139,7 @@ class BuildPlan:
     engine_id: str
     quant: Quantization
     weight_layout: str = "rows"  # contract/layout.py: chosen for the target (a tactic)
+    speculative: Speculative | None = None  # the build's, a draft engine pinned (_pin_draft)
 
 
 def plan_build(cfg: BuildConfig, progress: Progress | None = None) -> BuildPlan:
@@ -166,6 +168,8 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
         from pipeline.quant import plan_quant
 
         quant = plan_quant(cfg, src, model_cfg, target)
+        if cfg.speculative is not None and cfg.speculative.method == "draft":
+            cfg = _pin_draft(cfg, src.local_dir, model_cfg, target)
     with clock("digest"):
         digest = checkpoint_digest(src.local_dir, progress)
     toolchain = toolchain_versions(cfg.backend)
@@ -185,7 +189,24 @@ def _plan(cfg: BuildConfig, progress: Progress, clock: _Clock) -> BuildPlan:
         weight_layout=layout,
         speculative=cfg.speculative,
     )
-    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant, layout)
+    return BuildPlan(src, model_cfg, target, digest, toolchain, engine_id(inputs), quant, layout,
+                     cfg.speculative)
+
+
+def _pin_draft(cfg: BuildConfig, src_dir: Path, model_cfg: ModelConfig,
+               target: Target) -> BuildConfig:
+    """--speculative draft:ENGINE[:K]: the draft engine must run beside this one (TP=1, this
+    host, the checkpoint's vocabulary and tokenizer); it is recorded by absolute path and
+    engine id, which enter this engine's id."""
+    from runtime.executors.draft import DraftEngineError, pin_draft, vocab_hashes_of
+
+    assert cfg.speculative is not None
+    try:
+        spec = pin_draft(cfg.speculative, target.device, model_cfg.vocab_size,
+                         vocab_hashes_of(src_dir))
+    except DraftEngineError as e:
+        raise BuildError(f"--speculative: {e.cause}", e.remedy) from None
+    return dataclasses.replace(cfg, speculative=spec)
 
 
 def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildResult:
@@ -273,7 +294,7 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             quant=plan.quant,
             weight_layout=plan.weight_layout,
             fidelity=fidelity,
-            speculative=cfg.speculative,
+            speculative=plan.speculative,
         )
         with clock("commit"):
             write_manifest(tmp, manifest)

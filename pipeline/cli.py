@@ -92,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize the LM head too (and the embedding when tied to it; default: %(default)s)",
     )
     b.add_argument(
-        "--speculative", default="off", metavar="off|ngram[:K]",
+        "--speculative", default="off", metavar="off|ngram[:K]|draft:ENGINE[:K]",
         help="speculative decoding the served engine runs by default (`serve launch "
-        "--speculative` overrides it): ngram is prompt lookup, K drafted tokens verified per "
-        f"step (default {DEFAULT_NUM_TOKENS}); lossless for every request kind "
-        "(default: %(default)s)",
+        "--speculative` overrides it): ngram is prompt lookup; draft:ENGINE drafts with "
+        "another engine of the same tokenizer (a TP=1 aoti or eager engine for this host, e.g. "
+        "this model's --quant int4_wo build), checked now and recorded by path and engine id; "
+        f"K drafted tokens verified per step (default {DEFAULT_NUM_TOKENS}); lossless for "
+        "every request kind (default: %(default)s)",
     )
     b.add_argument("--store", default="engines", help="engine store directory (default: engines)")
     b.add_argument("--mpirun", default=None,

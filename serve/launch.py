@@ -34,7 +34,8 @@ class LaunchConfig:
     max_prefill_tokens_while_decoding: int | None = None
     # None: CPU_PREFILL_WHILE_WAITING on a CPU, no cap on a GPU; 0: no cap
     max_prefill_tokens_while_waiting: int | None = None
-    # Speculative decoding: None, the engine's (its manifest); "off"; "ngram[:K]"
+    # Speculative decoding: None, the engine's (its manifest); "off"; "ngram[:K]";
+    # "draft:ENGINE[:K]" (a TP=1 engine of the same tokenizer, run on rank 0)
     speculative: str | None = None
     warmup: str = "auto"
     drain_timeout: float = 30.0
@@ -83,9 +84,11 @@ class LaunchConfig:
                                  f"got {cap}")
         if self.speculative is not None:
             try:
-                Speculative.parse(self.speculative)
+                spec = Speculative.parse(self.speculative)
             except ValueError as e:
                 raise ValueError(f"--speculative: {e}") from None
+            if spec is not None and spec.method == "draft":
+                check_draft_dir(spec)
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:
@@ -121,6 +124,24 @@ class LaunchConfig:
             raise ValueError("--comm-iface must name an interface")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
+
+
+def check_draft_dir(spec: Speculative) -> None:
+    """What can be said of a draft engine before any rank starts: it is an engine directory
+    of one rank and a torch backend (its host, vocabulary and tokenizer against the served
+    engine's are checked at the compatible gate, where the engine's manifest is read)."""
+    from runtime.executors.draft import DRAFT_BACKENDS, DraftEngineError, open_draft
+
+    try:
+        path, m, _ = open_draft(spec)
+    except DraftEngineError as e:
+        raise ValueError(f"--speculative: {e}") from None
+    if m.tp != 1:
+        raise ValueError(f"--speculative: the draft engine {path} is TP={m.tp}; a draft runs "
+                         "on rank 0 alone; rebuild it with `pipeline build --tp 1`")
+    if m.backend not in DRAFT_BACKENDS:
+        raise ValueError(f"--speculative: the draft engine {path} is a {m.backend} engine; "
+                         "rebuild it with --backend aoti or eager")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -164,10 +185,13 @@ def parser() -> argparse.ArgumentParser:
                    "first token one short step later, not when the long prompt's chunk ends "
                    f"(default {CPU_PREFILL_WHILE_WAITING} on a CPU, no cap on a GPU; 0: no cap; "
                    "the aoti and eager backends)")
-    p.add_argument("--speculative", default=None, metavar="off|ngram[:K]",
-                   help="speculative decoding: off, or ngram (prompt lookup) with K drafted "
-                   "tokens verified per step; lossless for every request kind (greedy outputs "
-                   "unchanged, sampled ones the same distribution) "
+    p.add_argument("--speculative", default=None, metavar="off|ngram[:K]|draft:ENGINE[:K]",
+                   help="speculative decoding: off; ngram (prompt lookup); or draft:ENGINE, "
+                   "another engine of the same tokenizer (a TP=1 aoti or eager engine built for "
+                   "this host, e.g. this model's --quant int4_wo build) run on rank 0, its KV "
+                   "cache sized with the engine's and its files verified like the engine's; "
+                   "K drafted tokens verified per step (default 4); lossless for every request "
+                   "kind (greedy outputs unchanged, sampled ones the same distribution) "
                    "(default: what the engine was built with, `pipeline build --speculative`; "
                    "the aoti and eager backends)")
     p.add_argument("--warmup", choices=("auto", "full", "none"), default="auto",

@@ -91,7 +91,7 @@ from runtime.core.limits import output_budget, stop_ids
 from runtime.core.plan import NewSeq, ScheduledSeq, StepPlan
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerStats
 from runtime.core.sequence import SeqStatus, Sequence
-from runtime.core.spec import NgramDrafter, speculable
+from runtime.core.spec import Drafter, NgramDrafter, speculable
 from runtime.core.spec_policy import AdaptivePolicy, SpecCost
 from runtime.core.types import FinishReason
 
@@ -111,7 +111,9 @@ class Scheduler:
     and fork sequences and keep the prefix cache's registrations, always leaving blocks,
     queues and runners' knowledge in agreement."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, drafter: Drafter | None = None) -> None:
+        """`drafter`: the one a draft engine needs (runtime/executors/draft.py, built by the
+        executor layer, which this layer may not import); n-gram drafting needs none."""
         self.config = config
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
@@ -128,7 +130,11 @@ class Scheduler:
         self._pending_accepted: dict[int, list[int]] = {}  # the next plan's accepted_tokens
         self._pending_lens: dict[int, int] = {}  # the next plan's block_table_lens
         spec = config.speculative
-        self.drafter = NgramDrafter(spec.num_tokens) if spec is not None else None
+        if spec is not None and spec.method == "draft" and drafter is None:
+            raise ValueError(f"speculative {spec} needs its draft engine's drafter")
+        if drafter is None and spec is not None:
+            drafter = NgramDrafter(spec.num_tokens)
+        self.drafter: Drafter | None = drafter
         # K per sequence (runtime/core/spec_policy.py); None: K whenever the drafter matches.
         self.spec_policy = (AdaptivePolicy(SpecCost(config.spec_token_cost,
                                                     config.spec_verify_cost),
@@ -250,7 +256,9 @@ class Scheduler:
         wait_cap = cfg.max_prefill_tokens_while_waiting if reserve else None
 
         decodes_left = sum(1 for s in self._running if s.num_uncomputed_tokens == 1)
-        num_decoding = decodes_left  # the batch size the adaptive policy weighs drafts by
+        # Each decoding sequence's most drafts this step (the adaptive policy asked once),
+        # and the drafter told which sequences draft (a draft engine drafts them in one batch).
+        step_k = self._prepare_drafts(decodes_left) if self.drafter is not None else {}
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
@@ -259,9 +267,9 @@ class Scheduler:
             if num_new == 1 and seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
                 # Drafts leave a token for every later decode and the waiting's reserve.
-                drafts = self._draft(seq, budget - 1 - decodes_left - reserve,
-                                     rows_left - 1 - (len(self._running) - i - 1),
-                                     num_decoding)
+                drafts = self._draft(seq, step_k.get(seq.seq_id, 0),
+                                     budget - 1 - decodes_left - reserve,
+                                     rows_left - 1 - (len(self._running) - i - 1))
                 num_new += len(drafts)
             capped = False  # a chunk that counts against wait_cap
             if num_new > 1 and not drafts:  # a prompt chunk (or a restarted sequence's recompute)
@@ -541,26 +549,39 @@ class Scheduler:
             return 0, 0  # its turn cannot come this step anyway
         return reserve, want.params.priority
 
-    def _draft(self, seq: Sequence, tokens_left: int, rows_left: int, batch: int
-               ) -> list[int]:
-        """Drafts to verify after a decoding sequence's last token: none unless it may
-        speculate; at most K (or what the adaptive policy allows it, among `batch`
-        decoding sequences), the tokens and logits rows the step can spare, and one fewer
-        than the tokens max_tokens still allows (a verify step yields up to K + 1)."""
-        if self.drafter is None or not speculable(seq.params, seq.num_output_tokens,
-                                                  bool(self._stop_ids[seq.seq_id])):
+    def _prepare_drafts(self, batch: int) -> dict[int, int]:
+        """Once per step, before the scheduling loop: the most drafts each decoding sequence
+        may verify (none unless it may speculate; at most K, or what the adaptive policy
+        allows it among `batch` decoding sequences, asked once per decode step; one fewer
+        than the tokens max_tokens still allows, as a verify step yields up to K + 1), and
+        the drafter told which sequences draft (a draft engine drafts them all in one batch;
+        `_draft` then takes what the step's budget allows)."""
+        assert self.drafter is not None
+        out: dict[int, int] = {}
+        candidates = []
+        for seq in self._running:
+            if seq.num_uncomputed_tokens != 1 or not speculable(
+                    seq.params, seq.num_output_tokens, bool(self._stop_ids[seq.seq_id])):
+                continue
+            k = min(self.drafter.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if self.spec_policy is not None:
+                # Asked before the drafter: a sequence that does not draft costs no lookup.
+                k = self.spec_policy.k_for(seq.seq_id, k, batch)
+            if k > 0:
+                out[seq.seq_id] = k
+                candidates.append((seq.seq_id, seq.token_ids, k))
+        self.drafter.prepare(candidates)
+        return out
+
+    def _draft(self, seq: Sequence, k: int, tokens_left: int, rows_left: int) -> list[int]:
+        """Drafts to verify after a decoding sequence's last token: at most its `k` this
+        step (`_prepare_drafts`), the tokens and logits rows the step can spare."""
+        k = min(k, tokens_left, rows_left)
+        if self.drafter is None or k < 1:
             return []
-        k = min(self.drafter.num_tokens, tokens_left, rows_left,
-                seq.params.max_tokens - seq.num_output_tokens - 1)
-        policy = self.spec_policy
-        if policy is not None:
-            # Asked before the drafter: a sequence that does not draft costs no lookup.
-            k = policy.k_for(seq.seq_id, k, batch)
-        if k < 1:
-            return []
-        drafts = self.drafter.propose(seq.token_ids, k)
-        if not drafts and policy is not None:
-            policy.no_draft(seq.seq_id)
+        drafts = self.drafter.propose(seq.token_ids, k, seq.seq_id)
+        if not drafts and self.spec_policy is not None:
+            self.spec_policy.no_draft(seq.seq_id)
         return drafts
 
     def _verified(self, seq: Sequence, entry: ScheduledSeq, kept: Seq[int]) -> bool:
@@ -673,6 +694,8 @@ class Scheduler:
         self._pending_accepted.pop(seq.seq_id, None)
         self._pending_lens.pop(seq.seq_id, None)
         self._fresh_forks.discard(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         if seq.seq_id in self._known_to_runners:
             self._known_to_runners.remove(seq.seq_id)
             self._pending_freed.append(seq.seq_id)

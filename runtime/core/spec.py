@@ -29,12 +29,21 @@ kind: the tokens come out with exactly the distribution of one-token decoding.
   can take another (equally distributed) path; without speculation it cannot.
   Log-probabilities of every kept or drawn token are read from the same processed row,
   so they equal one-token decoding's; the sampling state advances only by kept tokens.
+
+Drafters satisfy one small protocol (`Drafter`), so that the scheduler (this layer) never
+imports the executors: the n-gram drafter here, and the draft engine
+(runtime/executors/draft.py), which runs a second model and so must batch its work and
+keep per-sequence state. Each step the scheduler calls `prepare` once with every decoding
+sequence that may draft (before it knows the budget each gets), then `propose` per
+sequence with the k that the step allows, and `forget` when a sequence releases its
+blocks (finished, aborted or preempted).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -54,6 +63,29 @@ def speculable(params: SamplingParams, num_output: int, has_stop: bool) -> bool:
     return True
 
 
+@runtime_checkable
+class Drafter(Protocol):
+    """What the scheduler needs of a drafter (rank 0 only; plain token ids in and out)."""
+
+    name: str
+    num_tokens: int  # K: the most drafts proposed per sequence and step
+
+    def prepare(self, candidates: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """Called once per step before `propose`: (seq id, its tokens, the most drafts it
+        may take) for every sequence that may draft this step. A drafter that runs a model
+        drafts for all of them here, in one batch."""
+        ...
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None,
+                seq_id: int | None = None) -> list[int]:
+        """Up to k (default K) tokens to verify after `token_ids`; [] for none."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence left the running batch: drop whatever is kept for it."""
+        ...
+
+
 class NgramDrafter:
     """Prompt lookup: find the sequence's last n tokens (n = 3, 2, 1) earlier in its prompt
     and output, and propose the tokens that followed them there. The most recent match
@@ -67,7 +99,14 @@ class NgramDrafter:
         self.num_tokens = num_tokens
         self.n_max, self.n_min = n_max, n_min
 
-    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+    def prepare(self, candidates: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """Nothing to batch: a lookup costs microseconds and keeps no state."""
+
+    def forget(self, seq_id: int) -> None:
+        """No per-sequence state."""
+
+    def propose(self, token_ids: Sequence[int], k: int | None = None,
+                seq_id: int | None = None) -> list[int]:
         """Up to k (default K) tokens to verify after `token_ids`; [] if nothing matches."""
         k = self.num_tokens if k is None else k
         n_tokens = len(token_ids)

@@ -24,6 +24,7 @@ from runtime.core.sampler import Sampler, make_generator
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.scheduler_config import SPEC_PER_POS
 from runtime.core.sequence import Sequence
+from runtime.core.spec import Drafter
 from runtime.core.types import (
     EventCallback,
     ExecutorStats,
@@ -43,9 +44,13 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """Implements `runtime.core.types.Executor` over our scheduler and model runner."""
 
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, comm: Comm | None = None) -> None:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, comm: Comm | None = None,
+                 drafter: Drafter | None = None) -> None:
+        """`drafter`: a draft engine's (runtime/executors/draft.py) for speculative
+        `draft:ENGINE`; rank 0 runs it between steps, the other ranks never see it."""
         self.runner = runner
-        self.scheduler = Scheduler(config)
+        self.drafter = drafter
+        self.scheduler = Scheduler(config, drafter)
         self.sampler = Sampler()
         self.comm = comm
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

@@ -125,6 +125,7 @@ class ModelRunner:
         self.step_fn = step_fn
         self.token_bucket = token_bucket
         self.max_tokens = max_tokens
+        self.pad_from = PAD_FROM_TOKENS  # steps of more tokens than this are padded
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, Hk, D], head-major memory
         # The step function takes each layer's K and V cache as its own tensor.
         self.k_caches = [kv_cache[i, 0] for i in range(kv_cache.shape[0])]
@@ -174,7 +175,7 @@ class ModelRunner:
         # 135M demo, aoti on AVX512-BF16 without AMX: free generation at K=4 ran at half the
         # speed of plain decoding with it).
         prompt = any(s.num_new_tokens > 1 + len(s.draft_token_ids) for s in plan.scheduled)
-        if self.token_bucket > 1 and t > PAD_FROM_TOKENS and prompt:
+        if self.token_bucket > 1 and t > self.pad_from and prompt:
             bucket = -(-t // self.token_bucket) * self.token_bucket
             args = pad_tokens(args, bucket if self.max_tokens is None else
                               min(bucket, self.max_tokens))

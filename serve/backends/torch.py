@@ -7,21 +7,32 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from contract.manifest import Manifest
 from contract.speculative import Speculative
 from runtime import kernels
 from runtime.core.plan import StepPlan
 from runtime.core.scheduler import SchedulerConfig
 from runtime.env import INJECT_FAULT_AT_STEP
+from runtime.executors.draft import (
+    DraftEngineDrafter,
+    DraftEngineError,
+    check_draft,
+    load_draft,
+    open_draft,
+    vocab_hashes,
+)
 from runtime.executors.golden import check_golden, run_golden, run_golden_forced
 from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.runner import ModelRunner
 from runtime.executors.torch import allocate_kv_cache, engine_runner, package_files
 from runtime.host import host_matches
+from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.quant import runs_here
@@ -53,6 +64,7 @@ class KvCache:
     shard: LoadedShard
     kv: torch.Tensor
     num_blocks: int  # the null block included
+    draft_blocks: int = 0  # the draft engine's KV blocks (rank 0, speculative draft:ENGINE)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -65,6 +77,7 @@ class Built:
 
     runner: ModelRunner
     num_blocks: int
+    drafter: DraftEngineDrafter | None = None  # rank 0, speculative draft:ENGINE
 
 
 class TorchBackend(Backend):
@@ -76,6 +89,12 @@ class TorchBackend(Backend):
         if load_engine_quant(src) != self.manifest.quant:
             raise GateFailure("resolve", f"{ENGINE_CONFIG} and the manifest disagree on the "
                               "engine's quantization", REBUILD)
+        # The engine's drafter unless --speculative says otherwise (parsed at launch).
+        cfg = ctx.cfg
+        self.spec = (self.manifest.speculative if cfg.speculative is None
+                     else Speculative.parse(cfg.speculative))
+        # speculative draft:ENGINE, on rank 0: its directory, manifest and model (compatible)
+        self.draft: tuple[Path, Manifest, ModelConfig] | None = None
 
     def gates(self) -> GateChain[Serving]:
         chain: GateChain[None] = GateChain()
@@ -111,9 +130,35 @@ class TorchBackend(Backend):
             self.device = f"cuda:{self.comm.local_rank % max(1, torch.cuda.device_count())}"
             torch.cuda.set_device(self.device)
         self.check_files_present(ev)
+        if self.spec is not None and self.spec.method == "draft" and self.rank == 0:
+            ev["draft"] = self._check_draft()
         ev.update(target=str(m.target), host=why, world=self.comm.size, torch=torch.__version__,
                   quant=quant)
         ev[HOST_FACTS].update(isa=why, torch=torch.__version__)
+
+    def _check_draft(self) -> dict[str, Any]:
+        """speculative draft:ENGINE: the draft engine can draft for this one here (TP=1, a
+        torch backend, this host, the same vocabulary and tokenizer files, K in its step)."""
+        assert self.spec is not None
+        m = self.manifest
+        try:
+            path, dm, dcfg = open_draft(self.spec)
+            check_draft(dm, dcfg, path, self.spec.num_tokens, device=m.target.device,
+                        vocab_size=self.model.vocab_size, vocab=vocab_hashes(m))
+        except DraftEngineError as e:
+            raise GateFailure("compatible", e.cause,
+                              f"{e.remedy}, or serve with --speculative off|ngram") from None
+        self.draft = (path, dm, dcfg)
+        return {"engine": str(path), "engine_id": dm.engine_id, "backend": dm.backend,
+                "dtype": dm.dtype, "quant": dm.quant.describe()}
+
+    def _draft_token_bytes(self) -> float:
+        """KV bytes the draft engine holds per token (0 without one)."""
+        if self.draft is None:
+            return 0.0
+        _, dm, dcfg = self.draft
+        dbs = dm.profile.tokens_per_block
+        return kv_bytes_per_block(dcfg, 1, dbs, torch_dtype(dm.dtype)) / dbs
 
     def _min_kv_blocks(self) -> int:
         p = self.manifest.profile
@@ -132,6 +177,9 @@ class TorchBackend(Backend):
         m = self.manifest
         weights = sum(f.size for f in m.rank_files(self.rank))
         kv_min = self._min_kv_blocks() * self._block_bytes()
+        if self.draft is not None:  # rank 0 holds the draft engine too
+            weights += sum(f.size for f in self.draft[1].rank_files(0))
+            kv_min += int(self._draft_token_bytes() * m.profile.max_seq_len)
         free = self._free_bytes()
         ev.update(weights_bytes=weights, kv_min_bytes=kv_min, free_bytes=free)
         if free < weights + kv_min:
@@ -218,7 +266,9 @@ class TorchBackend(Backend):
 
     def allocate(self, shard: LoadedShard, ev: Evidence) -> KvCache:
         m, p = self.manifest, self.manifest.profile
-        per_block = self._block_bytes()
+        # Rank 0's blocks also pay for the draft's KV of the same tokens (+ K per sequence,
+        # below): the draft never runs out before the engine does.
+        per_block = self._block_bytes() + int(self._draft_token_bytes() * p.tokens_per_block)
         useful = math.ceil(p.max_batch_size * p.max_seq_len / p.tokens_per_block) + 1
         if self.cfg.kv_cache_tokens is not None:
             blocks = math.ceil(self.cfg.kv_cache_tokens / p.tokens_per_block) + 1
@@ -241,8 +291,16 @@ class TorchBackend(Backend):
             )
         kv = allocate_kv_cache(self.model, m.tp, blocks, p.tokens_per_block, m.dtype, self.device)
         ev.update(blocks=blocks - 1, tokens=(blocks - 1) * p.tokens_per_block,
-                  bytes=blocks * per_block, sized_by=source)
-        return KvCache(shard, kv, blocks)
+                  bytes=blocks * self._block_bytes(), sized_by=source)
+        draft_blocks = 0
+        if self.draft is not None and self.spec is not None:
+            dm = self.draft[1]
+            dbs = dm.profile.tokens_per_block
+            tokens = (blocks - 1) * p.tokens_per_block + p.max_batch_size * self.spec.num_tokens
+            draft_blocks = math.ceil(tokens / dbs) + 1
+            ev["draft"] = {"blocks": draft_blocks - 1, "tokens": (draft_blocks - 1) * dbs,
+                           "bytes": int(draft_blocks * dbs * self._draft_token_bytes())}
+        return KvCache(shard, kv, blocks, draft_blocks)
 
     def kernels(self, cache: KvCache, ev: Evidence) -> Built:
         m = self.manifest
@@ -257,7 +315,16 @@ class TorchBackend(Backend):
                            names[:1] != [rank_package(self.rank)] else rank_package(self.rank))
                   if names else None,
                   package_bytes=sum(self.files.entries[n].size for n in names))
-        return Built(runner, cache.num_blocks)
+        drafter = None
+        if self.draft is not None and self.spec is not None:
+            # The draft engine's shard is read and hashed as the engine's was (every file
+            # against its manifest), its package loaded from the verified copy.
+            t0 = time.perf_counter()
+            path, dm, _ = self.draft
+            drafter = load_draft(self.spec, path, dm, cache.draft_blocks, self.device)
+            ev["draft"] = {"engine_id": dm.engine_id, "seconds": round(time.perf_counter() - t0, 3),
+                           "bytes": sum(f.size for f in dm.rank_files(0)), "verified": True}
+        return Built(runner, cache.num_blocks, drafter)
 
     def warmup(self, built: Built, ev: Evidence) -> TorchServing:
         """Rank 0 drives; the golden record is checked in two steps (a teacher-forced
@@ -304,6 +371,8 @@ class TorchBackend(Backend):
             ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
                             "the golden steps: prefill, and decode at the largest batch")
         send(StepPlan(PHASE_DONE))
+        if built.drafter is not None:
+            ev["draft"] = self._warm_draft(built.drafter, record["prompt_token_ids"])
         ok, evidence = check_golden(record, tops, m.dtype, m.quant.scheme)
         ev["golden"] = evidence
         if not ok:
@@ -315,12 +384,24 @@ class TorchBackend(Backend):
 
 
 
+    @staticmethod
+    def _warm_draft(drafter: DraftEngineDrafter, prompt: list[int]) -> dict[str, Any]:
+        """One draft of the golden prompt (its catch-up and K - 1 decodes), then forgotten:
+        the draft's shapes run once before the first request, and its times are evidence."""
+        t0 = time.perf_counter()
+        drafter.prepare([(-1, prompt, drafter.num_tokens)])
+        drafts = drafter.propose(prompt, None, -1)
+        drafter.forget(-1)
+        return {"tokens": len(drafts), "seconds": round(time.perf_counter() - t0, 3)}
+
+
 class TorchServing(Serving):
     """The runner the gates built, and, from admission on, rank 0's engine loop over it."""
 
     def __init__(self, backend: TorchBackend, built: Built) -> None:
         self.ctx, self.manifest, self.device = backend.ctx, backend.manifest, backend.device
         self.runner, self.num_blocks = built.runner, built.num_blocks
+        self.spec, self.drafter = backend.spec, built.drafter
         self._engine: LLMEngine | None = None
 
     @property
@@ -340,11 +421,10 @@ class TorchServing(Serving):
         wait_cap = cfg.max_prefill_tokens_while_waiting
         if wait_cap is None:
             wait_cap = 0 if on_gpu else CPU_PREFILL_WHILE_WAITING
-        # The engine's drafter unless --speculative says otherwise. A verify row is a prompt
-        # chunk to the compiled step, so any engine runs any K (the scheduler keeps drafts
-        # within the step's tokens and logits rows).
-        spec = (self.manifest.speculative if cfg.speculative is None
-                else Speculative.parse(cfg.speculative))
+        # The engine's drafter unless --speculative says otherwise (resolved in gate 1). A
+        # verify row is a prompt chunk to the compiled step, so any engine runs any K (the
+        # scheduler keeps drafts within the step's tokens and logits rows).
+        spec = self.spec
         sc = SchedulerConfig(
             max_batch_size=p.max_batch_size, max_num_tokens=p.max_num_tokens,
             block_size=p.tokens_per_block, num_blocks=self.num_blocks,
@@ -354,7 +434,7 @@ class TorchServing(Serving):
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
         ev["max_prefill_tokens_while_waiting"] = wait_cap or "no cap"
-        self._engine = LLMEngine(self.runner, sc, self.ctx.comm)
+        self._engine = LLMEngine(self.runner, sc, self.ctx.comm, self.drafter)
         # The drafter and how K is chosen per sequence (runtime/core/spec_policy.py).
         policy = self._engine.scheduler.spec_policy
         ev["speculative"] = {

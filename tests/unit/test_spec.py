@@ -14,7 +14,7 @@ from contract.speculative import Speculative
 from runtime.core.plan import ScheduledSeq, StepPlan
 from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.sequence import Sequence
-from runtime.core.spec import NgramDrafter, accept_greedy, speculable
+from runtime.core.spec import Drafter, NgramDrafter, accept_greedy, speculable
 from runtime.core.spec_policy import MAX_BACKOFF, MIN_BACKOFF, AdaptivePolicy, SpecCost
 from runtime.core.types import GuidedSpec, SamplingParams
 from runtime.dist.wire import plan_from_wire, plan_to_wire
@@ -91,11 +91,11 @@ def test_speculative_config_parses_and_validates() -> None:
 # ---- the scheduler with a mirror runner -------------------------------------------------
 
 
-def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, seed: int = 0
-        ) -> tuple[dict[int, tuple[list[int], str]], Scheduler]:
+def run(cfg: SchedulerConfig, reqs: list[tuple[list[int], SamplingParams]], *, seed: int = 0,
+        drafter: Drafter | None = None) -> tuple[dict[int, tuple[list[int], str]], Scheduler]:
     """Drive the scheduler to the end; acceptance as the engine does it."""
     rng = random.Random(seed)
-    sched, mirror = Scheduler(cfg), MirrorRunner(cfg.block_size, next_token)
+    sched, mirror = Scheduler(cfg, drafter), MirrorRunner(cfg.block_size, next_token)
     pending = list(enumerate(reqs))
     results: dict[int, tuple[list[int], str]] = {}
     steps = 0

@@ -80,7 +80,10 @@ class LogitsRunner:
 def engine(fn: LogitsFn, k: int | None, **kw: object) -> LLMEngine:
     base: dict[str, object] = dict(max_batch_size=8, max_num_tokens=64, block_size=4,
                                    num_blocks=1 + 400, max_seq_len=96, eos_token_ids=(EOS,),
-                                   speculative=Speculative("ngram", k) if k else None)
+                                   speculative=Speculative("ngram", k) if k else None,
+                                   # the acceptance rule under test, not the adaptive policy
+                                   # (tests/unit/test_spec.py): every match drafts, at any batch
+                                   spec_adaptive=False)
     base.update(kw)
     cfg = SchedulerConfig(**base)  # type: ignore[arg-type]
     return LLMEngine(LogitsRunner(cfg.block_size, fn), cfg)  # type: ignore[arg-type]
