@@ -20,8 +20,14 @@ from runtime.core.plan import StepPlan
 from runtime.core.sampler import Sampler, first_max, make_generator, plain_greedy
 from runtime.core.scheduler import Scheduler
 from runtime.core.sequence import Sequence
-from runtime.core.spec import accept_greedy, keeps_draft, residual
+from runtime.core.spec import accept_greedy, verify_sampled
 from runtime.core.types import EventCallback, SamplingParams, TokenEvent, TokenLogprob
+
+
+def _draw(sampler: Sampler, weights: torch.Tensor, u: float) -> int:
+    """The plain sampler's draw from weights [V] (not necessarily normalised) at u."""
+    u_t = torch.tensor([u], dtype=torch.float32, device=weights.device)  # [1]
+    return int(sampler.inverse_cdf(weights.unsqueeze(0), u_t)[0])
 
 
 @dataclass(slots=True, eq=False)
@@ -194,14 +200,8 @@ class RequestTable:
                 token = int(first_max(tempered)[0])
             else:
                 p = sampler.cut_probs(tempered, [params])  # [1, V]
-                # Always draw u, even where p(d) is 0 or 1: the stream then advances the
-                # same way whatever the logits (one number per position, one more on a
-                # rejection).
-                if keeps_draft(p[0], d, sampler.uniform(st.generator)):
-                    token = d
-                else:
-                    u = torch.tensor([sampler.uniform(st.generator)], dtype=torch.float32)
-                    token = int(sampler.inverse_cdf(residual(p[0], d).unsqueeze(0), u)[0])
+                token = verify_sampled(p[0], d, lambda: sampler.uniform(st.generator),
+                                       lambda w, u: _draw(sampler, w, u))
             lp = (sampler.token_logprob(tempered[0], token, params.logprobs or 0)
                   if params.needs_logprobs else None)
             st.accept(token, lp.logprob if lp is not None else None)

@@ -22,11 +22,10 @@ kind: the tokens come out with exactly the distribution of one-token decoding.
   (`keeps_draft`, `residual`). The n-gram drafter is deterministic: q is the point mass
   at d, so d is kept with probability p(d) and the replacement is drawn from p without
   d. A draft the grammar forbids has p(d) = 0 and is always rejected. The random numbers
-  come from the sequence's own generator, so a seeded request repeats itself run to run
-  with the same speculation setting and the same drafts. NOTE: drafts change how many
-  numbers are drawn, and how many drafts a sequence gets depends on the step's spare
-  budget, logits rows and free blocks, so under different load a seeded sampled request
-  can take another (equally distributed) path; without speculation it cannot.
+  come from the sequence's own generator. With a deterministic drafter (q the point mass)
+  the rule is carried out as the plain draw kept iff it equals d (`verify_sampled`): one
+  number a token, the same token one-token decoding draws, so a seeded request gives the
+  same output with and without speculation, whatever the load does to its drafts.
   Log-probabilities of every kept or drawn token are read from the same processed row,
   so they equal one-token decoding's; the sampling state advances only by kept tokens.
 
@@ -42,7 +41,7 @@ blocks (finished, aborted or preempted).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -155,6 +154,29 @@ def keeps_draft(p: torch.Tensor, draft: int, u: float, q: torch.Tensor | None = 
     it gives no mass) keeps exactly the drafts the target allows."""
     qd = 1.0 if q is None else float(q[draft])
     return u * qd < float(p[draft])
+
+
+def verify_sampled(p: torch.Tensor, draft: int, uniform: Callable[[], float],
+                   draw: Callable[[torch.Tensor, float], int],
+                   q: torch.Tensor | None = None) -> int:
+    """The token at a draft's position of a sampled row (the draft itself: kept). p: the
+    distribution the plain sampler draws from there [V]; `uniform` the sequence's stream;
+    `draw(weights, u)` the plain sampler's inverse-CDF draw.
+
+    A deterministic drafter (q None: the point mass at d, the n-gram drafter and a greedy
+    draft engine): the plain draw, kept iff it is the draft. It keeps d with probability
+    p(d) and otherwise gives a token from p without d, the rejection rule's own outcome,
+    and it is the very token one-token decoding draws from the same stream, one number a
+    token: a seeded request gives the same output with speculation as without, whatever
+    the load decides about its drafts. A drafter with a distribution q: the rejection rule
+    (`keeps_draft`, then a draw from `residual`)."""
+    if q is None:
+        return draw(p, uniform())
+    # Always draw u, even where p(d) is 0 or 1: the stream then advances the same way
+    # whatever the logits (one number per position, one more on a rejection).
+    if keeps_draft(p, draft, uniform(), q):
+        return draft
+    return draw(residual(p, draft, q), uniform())
 
 
 def residual(p: torch.Tensor, draft: int, q: torch.Tensor | None = None) -> torch.Tensor:

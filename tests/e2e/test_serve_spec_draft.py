@@ -74,7 +74,9 @@ def test_greedy_completions_equal_transformers_with_a_draft_engine(
     accepted = counter(page, "llmserve_spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= drafted
     report = draft_server.call("GET", "/v1/engine").json()
-    assert report["speculative"] == {"drafter": f"draft:{draft_dir}:4", "from": "--speculative"}
+    spec = report["speculative"]
+    assert (spec["drafter"], spec["from"]) == (f"draft:{draft_dir}:4", "--speculative")
+    assert spec["policy"]["policy"] == "adaptive"
     # the draft's evidence at the gates that check, size, load and warm it
     gates = {g["name"]: g["evidence"] for g in report["gates"]}
     assert gates["compatible"]["draft"]["engine_id"] == draft_dir.name

@@ -14,6 +14,7 @@ import re
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from contract.speculative import Speculative
 from runtime.core import requests as requests_mod
 from runtime.core.plan import StepPlan
 from runtime.core.scheduler import SchedulerConfig
-from runtime.core.spec import keeps_draft, residual
+from runtime.core.spec import keeps_draft, residual, verify_sampled
 from runtime.core.types import SamplingParams, TokenEvent, TokenLogprob
 from runtime.executors.loop import LLMEngine
 from tests.unit.test_scheduler import MirrorRunner
@@ -74,6 +75,8 @@ class LogitsRunner:
         for s in plan.scheduled:
             if s.draft_token_ids:
                 rows += prefixes[s.seq_id][:-1]
+        if not rows:  # a prompt chunk that ends before the prompt does: no row at all
+            return sampled, torch.empty(0, self.fn([0]).shape[0])
         return sampled, torch.stack([self.fn(list(r)) for r in rows])
 
 
@@ -135,6 +138,19 @@ def test_rejection_rule_and_residual() -> None:
     assert keeps_draft(p, 0, 0.999, q)  # p/q = 2
     assert keeps_draft(p, 1, 0.49, q) and not keeps_draft(p, 1, 0.51, q)  # p/q = 0.5
     assert torch.allclose(residual(p, 1, q), torch.tensor([0.25, 0.0, 0.1, 0.0]))
+    # verify_sampled: a point-mass drafter takes the plain draw (one number); with q, the
+    # rule, then the residual's draw (two numbers on a rejection)
+    draws: list[tuple[list[float], float]] = []
+
+    def draw(w: torch.Tensor, u: float) -> int:
+        draws.append((w.tolist(), u))
+        return int((w.cumsum(0) > u * w.sum()).nonzero()[0])
+
+    us = iter([0.6, 0.7, 0.1])
+    assert verify_sampled(p, 0, lambda: next(us), draw) == 1  # the plain draw at 0.6
+    assert draws == [(p.tolist(), 0.6)]
+    assert verify_sampled(p, 1, lambda: next(us), draw, q) == 0  # 0.7 > p/q: rejected
+    assert draws[1] == (residual(p, 1, q).tolist(), 0.1)
 
 
 # ---- greedy: identical with and without speculation -------------------------------------
@@ -243,6 +259,14 @@ def test_seeded_sampled_requests_repeat_and_draw_logprobs_of_their_tokens() -> N
     a, b = run(engine(fn, 4), reqs), run(engine(fn, 4), reqs)
     assert a == b
     assert any(max(v[4]) > 1 for v in a.values()), "drafts accepted"
+    # ... and give what they give without speculation: with a deterministic drafter the
+    # kept/replaced decision is the plain draw (spec.verify_sampled), one number a token
+    plain = run(engine(fn, None), reqs)
+    assert {key: v[:4] for key, v in a.items()} == {key: v[:4] for key, v in plain.items()}
+    # and whatever the step's room gives each request in drafts (here K = 2 and a budget
+    # of 12 tokens: other drafts than above)
+    tight = run(engine(fn, 2, max_num_tokens=12), reqs)
+    assert {key: v[:4] for key, v in tight.items()} == {key: v[:4] for key, v in plain.items()}
     # the reported log-probabilities are those of the processed rows at those tokens
     # (checked against a plain replay of the same tokens)
     from runtime.core.logits import SeqSampling
@@ -364,10 +388,14 @@ def test_a_wrong_rule_fails_the_same_statistic(stat_fn: LogitsFn,
     """Negative controls: keeping every draft, or drawing the replacement from p itself
     (the draft not removed), is detected by the test above."""
     probs = joint(stat_fn, 3)
-    monkeypatch.setattr(requests_mod, "keeps_draft", lambda p, d, u, q=None: True)
+    monkeypatch.setattr(requests_mod, "verify_sampled", lambda p, d, uniform, draw, q=None: d)
     counts, _ = sample_first_tokens(stat_fn, N_SAMPLES, 3)
     assert chi_square_pvalue(counts, probs, N_SAMPLES) < 1e-6
-    monkeypatch.setattr(requests_mod, "keeps_draft", keeps_draft)
-    monkeypatch.setattr(requests_mod, "residual", lambda p, d, q=None: p)
+
+    def redraw_from_p(p: torch.Tensor, d: int, uniform: Any, draw: Any, q: Any = None) -> int:
+        # keeps d with probability p(d), but replaces it by a fresh draw from p itself
+        return d if draw(p, uniform()) == d else draw(p, uniform())
+
+    monkeypatch.setattr(requests_mod, "verify_sampled", redraw_from_p)
     counts, _ = sample_first_tokens(stat_fn, N_SAMPLES, 3)
     assert chi_square_pvalue(counts, probs, N_SAMPLES) < 1e-3
