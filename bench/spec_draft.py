@@ -27,59 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine_info, md_table
+from bench.spec_decode import CODE, PARAGRAPH, make_runner
 
-PARAGRAPH = (
-    "The old lighthouse stood at the edge of the cliff for more than two hundred years. "
-    "Every night its keeper climbed the narrow stairs, trimmed the wick and polished the "
-    "great lens until it shone. Ships passing in the dark relied on its steady beam to "
-    "find the harbour entrance, and the fishermen of the village said that no storm had "
-    "ever put the light out. When the keeper grew old, his daughter took over the work, "
-    "and she kept the lamp burning through the longest winter anyone could remember."
-)
-CODE = (
-    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
-    "        else:\n            out.append(b[j])\n            j += 1\n"
-    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n"
-)
 PROMPTS = {
     "copy-prose": f"Repeat this text exactly, without any comment:\n\n{PARAGRAPH}",
     "copy-code": f"Rename the function merge to merge_sorted and repeat the code:\n\n{CODE}",
     "free": "Write a short story about a robot who learns to paint.",
 }
-
-
-def make_runner(engine_dir: Path | None, hf_dir: Path | None) -> tuple[Any, Any, Any]:
-    from contract.manifest import read_manifest
-    from contract.profile import BuildProfile
-    from runtime.executors.torch import (
-        TOKEN_BUCKET,
-        runner_from_checkpoint,
-        runner_from_engine,
-    )
-    from runtime.models.parallel import TPContext
-    from runtime.store.files import EngineFiles
-
-    if engine_dir is not None:
-        m = read_manifest(engine_dir)
-        if m.tp != 1:
-            raise SystemExit(f"{engine_dir} is a TP={m.tp} engine; this benchmark runs TP=1")
-        p = m.profile
-        blocks = 4 * p.max_seq_len // p.tokens_per_block + 1
-        runner, cfg = runner_from_engine(engine_dir, m.backend, m.dtype, TPContext(), blocks,
-                                         p.tokens_per_block, p.max_num_tokens,
-                                         files=EngineFiles(engine_dir, m))
-        label = f"{m.backend} {m.dtype} engine {m.engine_id}"
-    else:
-        assert hf_dir is not None
-        p = BuildProfile(max_batch_size=4)
-        blocks = 4 * p.max_seq_len // p.tokens_per_block + 1
-        runner, cfg = runner_from_checkpoint(hf_dir, TPContext(), "bfloat16", blocks,
-                                             p.tokens_per_block)
-        label = "eager bfloat16 from the checkpoint"
-        # As an engine runs it (engine_runner): prompt steps padded to the token bucket.
-        runner.token_bucket, runner.max_tokens = TOKEN_BUCKET, p.max_num_tokens
-    return runner, (cfg, p, blocks), label
 
 
 Mode = tuple[str, int]  # ("off", 0), ("ngram", K), ("draft", K)
