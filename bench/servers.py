@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -107,6 +108,35 @@ def pinned(spec: ServerSpec, cores: set[int]) -> ServerSpec:
     launcher's (serve/cores.py); llama-server is given its -t by the caller."""
     return replace(spec, argv=("taskset", "-c", ",".join(map(str, sorted(cores))), *spec.argv),
                    env={**spec.env, KEEP_BINDING_ENV: "1"})
+
+
+CPU_V1 = Path("/sys/fs/cgroup/cpu")  # the v1 cpu controller, as on this workplace's machines
+
+
+@contextmanager
+def cpu_quota_cgroup(cores: float, name: str) -> Iterator[tuple[str, ...]]:
+    """A cgroup v1 with a CFS quota of `cores` (a pod's CPU limit: 150000 us of CPU every
+    100000 us for 1.5 cores), removed afterwards; yields the argv prefix that runs a command
+    inside it (every process the command starts stays in it). Needs root."""
+    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
+        raise RuntimeError(f"no cgroup v1 cpu controller at {CPU_V1}: cannot set a CPU quota")
+    d = CPU_V1 / f"aotllm-bench-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    period = int((d / "cpu.cfs_period_us").read_text())
+    (d / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+    try:
+        yield ("sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh")
+    finally:
+        for _ in range(100):  # the killed process group leaves the cgroup as it is reaped
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def in_cgroup(spec: ServerSpec, prefix: tuple[str, ...]) -> ServerSpec:
+    return replace(spec, argv=(*prefix, *spec.argv))
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -21,6 +21,7 @@ class RequestResult:
     output_tokens: int = 0
     chunks: int = 0
     error: str | None = None
+    text: str = ""  # the streamed completion, for comparing two servers' outputs
 
     @property
     def ok(self) -> bool:

@@ -113,6 +113,10 @@ STORE_DEADLINE = EnvVar(
 THP = EnvVar(
     "AOTLLM_THP", "flag", "1",
     "0: shard buffers on 4 KiB pages instead of transparent huge pages", "runtime/store/loader.py")
+THREADS = EnvVar(
+    "AOTLLM_THREADS", "count", None,
+    "each rank's intra-op threads, in place of its plan (its share of its cores, capped by "
+    "a cgroup CPU quota)", "serve/threads.py")
 CACHE = EnvVar(
     "AOT_LLM_CACHE", "path", "~/.cache/aot-llm",
     "the local cache: downloaded checkpoints, compiled kernels, pulled engines (engines/), "
@@ -126,7 +130,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     API_KEY, BINDING, BOOT_SOCK, CPU_ISA, GC_FREEZE, GOLDEN_TIMEOUT, GPU_SM,
     INJECT_FAULT_AT_STEP, INJECT_GATE_DELAY, INJECT_GATE_HOLD, KEEP_BINDING, LAUNCH_TIME,
     MPIRUN, PARENT_FD,
-    PEER_TIMEOUT, RENDEZVOUS, STORE_DEADLINE, THP, CACHE, BENCH_HF_DIR,
+    PEER_TIMEOUT, RENDEZVOUS, STORE_DEADLINE, THP, THREADS, CACHE, BENCH_HF_DIR,
 )
 
 
@@ -149,6 +153,17 @@ def number(var: EnvVar) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{var.name}={value!r} is not a number") from None
+
+
+def count(var: EnvVar) -> int | None:
+    """The value as a whole number of at least 1, or None when unset; ValueError naming the
+    variable when it is anything else."""
+    value = var.raw()
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{var.name}={value!r}: give a whole number, 1 or more")
+    return int(value)
 
 
 def cache_root() -> Path:

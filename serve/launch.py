@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.speculative import Speculative
-from runtime.env import API_KEY
+from runtime.env import API_KEY, THREADS, count
 
 API_KEY_ENV = API_KEY.name
 EXIT_DRAIN_CUT = 3  # the drain's deadline cut requests off (0: every request completed)
@@ -89,6 +89,7 @@ class LaunchConfig:
                 raise ValueError(f"--speculative: {e}") from None
             if spec is not None and spec.method == "draft":
                 check_draft_dir(spec)
+        count(THREADS)  # a bad AOTLLM_THREADS fails here, before any rank starts
         if self.warmup not in ("auto", "full", "none"):
             raise ValueError(f"--warmup must be auto, full or none, got {self.warmup!r}")
         if self.drain_timeout < 0:

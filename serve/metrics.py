@@ -133,7 +133,13 @@ class ServingMetrics:
                  "Seconds in engine steps that only decoded (schedule to sampled tokens)."),
                 ("prefill_steps_total", "Engine steps with prompt tokens (decodes may join)."),
                 ("prefill_step_seconds_total", "Seconds in engine steps with prompt tokens."),
+                # runtime/core/thread_policy.py: a probe measures half (or twice) the
+                # threads against the current count; a switch kept the other.
+                ("thread_probes_total", "Measurements of another intra-op thread count."),
+                ("thread_switches_total", "Times a measured thread count took over."),
             )}
+        self.intra_op_threads = Gauge(f"{p}intra_op_threads",
+                                      "Intra-op threads rank 0's steps run with.", registry=r)
         # vLLM's spec_decode_num_accepted_tokens_per_pos: position i counts the verify steps
         # that accepted draft i (0-based), so position 0 over num_drafts is the first
         # draft's acceptance, and so on down the chain.
@@ -208,6 +214,8 @@ class ServingMetrics:
                     pos = key.removeprefix(SPEC_PER_POS)
                     self._follow(self.spec_per_pos.labels(position=pos), ("per_pos", pos),
                                  float(value))
+            if "intra_op_threads" in extra:
+                self.intra_op_threads.set(float(extra["intra_op_threads"]))
             drafted = float(extra.get("spec_decode_num_draft_tokens_total", 0.0))
             drafts = float(extra.get("spec_decode_num_drafts_total", 0.0))
             accepted = float(extra.get("spec_decode_num_accepted_tokens_total", 0.0))

@@ -16,6 +16,8 @@ import queue
 import threading
 import time
 
+import torch
+
 from runtime.core.grammar import GrammarState
 from runtime.core.logits import SeqSampling
 from runtime.core.plan import StepPlan
@@ -25,6 +27,7 @@ from runtime.core.scheduler import Scheduler, SchedulerConfig
 from runtime.core.scheduler_config import SPEC_PER_POS
 from runtime.core.sequence import Sequence
 from runtime.core.spec import Drafter
+from runtime.core.thread_policy import ThreadPolicy
 from runtime.core.types import (
     EventCallback,
     ExecutorStats,
@@ -45,10 +48,13 @@ class LLMEngine:
     """Implements `runtime.core.types.Executor` over our scheduler and model runner."""
 
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, comm: Comm | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, threads: ThreadPolicy | None = None) -> None:
         """`drafter`: a draft engine's (runtime/executors/draft.py) for speculative
-        `draft:ENGINE`; rank 0 runs it between steps, the other ranks never see it."""
+        `draft:ENGINE`; rank 0 runs it between steps, the other ranks never see it.
+        `threads`: how many intra-op threads each step runs with, from what the steps
+        measure (runtime/core/thread_policy.py); None keeps the process's count."""
         self.runner = runner
+        self.threads = threads
         self.drafter = drafter
         self.scheduler = Scheduler(config, drafter)
         self.sampler = Sampler()
@@ -163,7 +169,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.comm is not None:
             self.comm.send_plan(plan)
+        if self.threads is not None and self.threads.threads() != torch.get_num_threads():
+            torch.set_num_threads(self.threads.threads())
+        t_exec = time.perf_counter()
         sampled_ids, logits = self.runner.execute(plan)
+        t_exec = time.perf_counter() - t_exec
         sampled: dict[int, int] = {}
         forks: dict[int, list[tuple[int, int]]] = {}
         accepted: dict[int, list[int]] = {}
@@ -185,6 +195,8 @@ class LLMEngine:
         # A verify step (speculation) decodes too: its drafts are not prompt tokens.
         decoding = plan.num_tokens - plan.num_draft_rows == len(plan.scheduled)
         kind = "decode" if decoding else "prefill"
+        if self.threads is not None:
+            self.threads.record(t_exec, plan.num_tokens, decoding)
         self._step_time[f"{kind}_steps_total"] += 1
         seconds = time.perf_counter() - t0
         self._step_time[f"{kind}_step_seconds_total"] += seconds
@@ -224,7 +236,8 @@ class LLMEngine:
                    # vLLM's per-position counter, one key per draft position
                    **{f"{SPEC_PER_POS}{i}": float(n)
                       for i, n in enumerate(s.spec_accepted_per_pos)},
-                   **self._step_time},
+                   **self._step_time,
+                   **(self.threads.as_dict() if self.threads is not None else {})},
         )
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:

@@ -18,7 +18,8 @@ from contract.speculative import Speculative
 from runtime import kernels
 from runtime.core.plan import StepPlan
 from runtime.core.scheduler import SchedulerConfig
-from runtime.env import INJECT_FAULT_AT_STEP
+from runtime.core.thread_policy import ThreadPolicy
+from runtime.env import INJECT_FAULT_AT_STEP, THREADS
 from runtime.executors.draft import (
     DraftEngineDrafter,
     DraftEngineError,
@@ -434,7 +435,15 @@ class TorchServing(Serving):
         )
         ev["max_prefill_tokens_while_decoding"] = cap or "no cap"
         ev["max_prefill_tokens_while_waiting"] = wait_cap or "no cap"
-        self._engine = LLMEngine(self.runner, sc, self.ctx.comm, self.drafter)
+        # One rank on the CPU with a choice of threads: its steps choose how many
+        # (runtime/core/thread_policy.py). Several ranks would have to choose together;
+        # AOTLLM_THREADS is the user's own choice.
+        tuned = (not on_gpu and torch.get_num_threads() > 1 and THREADS.raw() is None
+                 and (self.ctx.comm is None or self.ctx.comm.size == 1))
+        threads = ThreadPolicy(torch.get_num_threads()) if tuned else None
+        ev["step_threads"] = ("chosen per step, measured: at most "
+                         f"{torch.get_num_threads()}" if tuned else torch.get_num_threads())
+        self._engine = LLMEngine(self.runner, sc, self.ctx.comm, self.drafter, threads)
         # The drafter and how K is chosen per sequence (runtime/core/spec_policy.py).
         policy = self._engine.scheduler.spec_policy
         ev["speculative"] = {

@@ -135,6 +135,11 @@ EXPECTED = {
         ("counter", "Engine steps with prompt tokens (decodes may join).", ()),
     "llmserve_prefill_step_seconds_total":
         ("counter", "Seconds in engine steps with prompt tokens.", ()),
+    "llmserve_thread_probes_total":
+        ("counter", "Measurements of another intra-op thread count.", ()),
+    "llmserve_thread_switches_total":
+        ("counter", "Times a measured thread count took over.", ()),
+    "llmserve_intra_op_threads": ("gauge", "Intra-op threads rank 0's steps run with.", ()),
     "llmserve_gc_pauses_total":
         ("counter", "Collections of Python's cyclic garbage collector, by generation.",
          ("generation",)),
