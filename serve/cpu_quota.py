@@ -9,7 +9,7 @@ the next one (a decode step that straddles the stall waits tens of milliseconds)
 OpenMP barrier spins the quota away. The limit that binds is the smallest along the cgroup's
 path to the root (a parent's quota caps its children).
 
-No torch here: the supervisor reads it before the worker starts (serve/supervisor.py).
+Read once per rank by serve/threads.py's thread_plan, which sizes the rank's threads by it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ Alone on the same two cores, 2 threads are the faster by ~1.7x. Neither choice i
 every setting and the process cannot see its neighbours, so it measures: the plan's count
 (serve/threads.py) runs, and every `period_s` a probe runs a window of decode steps at half
 the current count (or, below the plan, twice it), then a window at the current count again;
-the faster per decoded token by `margin` is kept (the first probe after one second). A probe that loses doubles the period up
-to `max_period_s`, one that wins resets it, so a steady setting costs a window every minute.
+the faster per decoded token by `margin` is kept. The first probe comes after one second; a
+probe that loses doubles the period up to `max_period_s`, one that wins resets it, so a
+steady setting costs a window every minute.
 
 Only decode steps (no prompt tokens) are measured: their cost per token is comparable from
 step to step; a prompt chunk's is not. Plain data, no torch: the engine loop applies the

@@ -169,8 +169,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.comm is not None:
             self.comm.send_plan(plan)
-        if self.threads is not None and self.threads.threads() != torch.get_num_threads():
-            torch.set_num_threads(self.threads.threads())
+        if self.threads is not None and (n := self.threads.threads()) != torch.get_num_threads():
+            torch.set_num_threads(n)
         t_exec = time.perf_counter()
         sampled_ids, logits = self.runner.execute(plan)
         t_exec = time.perf_counter() - t_exec

@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
+from bench.servers import CPU_V1, cpu_quota_cgroup
 from serve.cpu_quota import CpuQuota, cpu_quota
 from tests.conftest import REPO, subprocess_env
 
@@ -86,36 +86,20 @@ def test_threads_are_the_ranks_share_rounded_up() -> None:
         CpuQuota(0.0, "x")
 
 
-CPU_V1 = Path("/sys/fs/cgroup/cpu")
 PLAN = ("import json; from types import SimpleNamespace; from serve.threads import thread_plan;"
         "print(json.dumps(thread_plan(SimpleNamespace(local_size={n}))))")
 
 
-@pytest.fixture
-def quota_cgroup():
-    """A real cgroup v1 with a CFS quota, removed afterwards: yields a function that sets
-    the quota (in cores) and returns the argv prefix that runs a command inside it."""
-    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
-        pytest.skip("no cgroup v1 cpu controller on this machine (DEVELOPERS.md: it is there)")
-    d = CPU_V1 / f"aotllm-test-{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-
-    def limit(cores: float) -> list[str]:
-        (d / "cpu.cfs_quota_us").write_text(str(int(cores * 100_000)))
-        return ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh"]
-
-    try:
-        yield limit
-    finally:
-        d.rmdir()  # its processes have exited
-
-
 @pytest.mark.parametrize(("cores", "ranks", "threads"), [(1.5, 1, 2), (0.5, 1, 1), (1.5, 2, 1)])
 def test_a_rank_in_a_real_quota_runs_its_share_of_threads(
-        quota_cgroup, cores: float, ranks: int, threads: int) -> None:
-    done = subprocess.run([*quota_cgroup(cores), sys.executable, "-c", PLAN.format(n=ranks)],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+        cores: float, ranks: int, threads: int) -> None:
+    # The real cgroup v1 with a CFS quota that the bench puts servers in, removed afterwards.
+    if not (CPU_V1 / "cpu.cfs_quota_us").exists():
+        pytest.skip("no cgroup v1 cpu controller on this machine (DEVELOPERS.md: it is there)")
+    with cpu_quota_cgroup(cores, "test") as prefix:
+        done = subprocess.run([*prefix, sys.executable, "-c", PLAN.format(n=ranks)],
+                              cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                              timeout=120)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout.splitlines()[-1])
     assert plan["cpu_quota"]["cores"] == cores
