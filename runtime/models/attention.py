@@ -90,9 +90,11 @@ def decode_attention(
     return _softmax_av(sd, maskd, vd).reshape(bd, hq * d)
 
 
-def _row_mask(kv_rows: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """[n, Hk] bool: which KV heads rows 0 .. n - 1 attend (kv_rows: AttentionMetadata's)."""
-    r = torch.arange(n, device=device).unsqueeze(1) % kv_rows[:, 0]
+def _row_mask(kv_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[*pos.shape, Hk] bool: which KV heads attend the queries at positions `pos` (kv_rows:
+    AttentionMetadata's kv_live). By position, not by batch row, as the kernels: a token's
+    shared head is then attended by the same rank whichever step computes it."""
+    r = pos.unsqueeze(-1) % kv_rows[:, 0]
     return (r >= kv_rows[:, 1]) & (r < kv_rows[:, 2])
 
 
@@ -125,7 +127,7 @@ def paged_attention(
         od = decode_attention(qd, k_cache, v_cache, meta.dec_block_tables, meta.dec_ctx_lens,
                               scale, window)
         if meta.kv_live is not None:  # the rows another rank attends: zeros, as the kernel
-            keep = _row_mask(meta.kv_live, bd, q.device).unsqueeze(-1)  # [Bd, Hk, 1]
+            keep = _row_mask(meta.kv_live, meta.dec_ctx_lens - 1).unsqueeze(-1)  # [Bd, Hk, 1]
             od = (od.view(bd, hk, g * d) * keep).reshape(bd, hq * d)
 
     bp, nq = meta.pf_q_index.shape
@@ -154,7 +156,7 @@ def paged_attention(
     op = _softmax_av(sp, maskp, vp)  # [Bp, Hk, g * Q, D]
     op = op.view(bp, hk, g, nq, d).permute(0, 3, 1, 2, 4)  # [Bp, Q, Hk, g, D]
     if meta.kv_live is not None:
-        op = op * _row_mask(meta.kv_live, nq, q.device).view(1, nq, hk, 1, 1)
+        op = op * _row_mask(meta.kv_live, qpos).view(bp, nq, hk, 1, 1)
     op = op.reshape(bp * nq, hq * d)
 
     return torch.cat((od, op), dim=0)[meta.out_index]  # [T, Hq * D]

@@ -9,12 +9,17 @@ and a zero head, so rank 0 attended twice what rank 1 did and set the pace of ev
 
 Balanced, each rank takes H / tp heads of the work. A head that straddles two ranks is held
 by both (its q, k and v rows and its o_proj columns on each; the slot was a zero head's
-before) and each attends it for its share of the rows: a slot attends row r when
-lo <= r % modulus < hi, where r is a decode query's batch row, or a prompt query's row in
-its chunk. The other rank's output there is zeros, and the o_proj all-reduce adds the two
-into the whole head. SmolLM2 at TP=2: rank 0 attends head 0 and head 1 for even rows,
-rank 1 head 1 for odd rows and head 2. Both ranks get the same step inputs from rank 0's
-plan, so they number the rows alike.
+before) and each attends it for its share of the queries: a slot attends the query at
+position p when lo <= p % modulus < hi. The other rank's output there is zeros, and the
+o_proj all-reduce adds the two into the whole head. SmolLM2 at TP=2: rank 0 attends head 0
+and head 1 at even positions, rank 1 head 1 at odd positions and head 2.
+
+By position, not by the query's row in the batch: a token is then attended by the same rank
+whether a decode step, a prompt chunk or a speculative verify step computes it, so its
+logits are bit for bit the same (by row, the all-reduce added a token's partial sums in
+another order under speculation, and greedy outputs flipped at near-ties). A prompt's
+consecutive positions still split its work evenly; a decode batch splits by its sequences'
+position parity, even on average.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from runtime.quant import QTensor, q_cat_cols, q_cat_rows, q_cols, q_pad_cols, q
 @dataclass(frozen=True, slots=True)
 class KVSlot:
     head: int | None  # the model's KV head in this slot; None: a zero head (padding)
-    modulus: int = 1  # attends rows r with lo <= r % modulus < hi
+    modulus: int = 1  # attends the queries at positions p with lo <= p % modulus < hi
     lo: int = 0
     hi: int = 1
 

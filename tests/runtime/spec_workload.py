@@ -25,14 +25,17 @@ def spec_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def run_requests(engine: LLMEngine, reqs: list[tuple[list[int], SamplingParams]],
-                 stagger: int = 1) -> Result:
-    """Submit request i at step stagger * i, step to the end; check blocks after each step."""
+                 stagger: int = 1, logprobs: dict[str, list[float]] | None = None) -> Result:
+    """Submit request i at step stagger * i, step to the end; check blocks after each step.
+    `logprobs`: filled with each request's token log-probabilities (those that ask for them)."""
     out: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
     sizes: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
     done: dict[str, str] = {}
 
     def cb(ev: TokenEvent) -> None:
         out[ev.request_id].extend(ev.token_ids)
+        if logprobs is not None and ev.logprobs:
+            logprobs.setdefault(ev.request_id, []).extend(lp.logprob for lp in ev.logprobs)
         if ev.token_ids:
             sizes[ev.request_id].append(len(ev.token_ids))
         if ev.finish_reason:

@@ -51,7 +51,7 @@ def test_aoti_tp2_engine_matches_eager_and_transformers(
                                                                   dtype="float32")
     assert read_manifest(eager).weight_layout == "rows"
     # 3 KV heads over 2 ranks (runtime/models/kv_heads.py): the middle one on both ranks,
-    # attended by rank 0 for even rows and by rank 1 for odd ones
+    # attended by rank 0 at even positions and by rank 1 at odd ones
     rows = [load_file(str(aoti / f"rank{r}.safetensors"))["kv_head_rows"].tolist() for r in (0, 1)]
     assert rows == [[[1, 0, 1], [2, 0, 1]], [[2, 1, 2], [1, 0, 1]]]
     out = tmp_path / "logits.json"

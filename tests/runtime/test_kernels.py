@@ -75,10 +75,11 @@ def test_padded_kv_heads_are_skipped_and_give_zeros(lib: Path) -> None:
     assert torch.equal(gotp[:, :, :3], wantp) and not gotp[:, :, 3:].any()
 
 
-def test_a_shared_head_attends_its_rows_and_zeros_the_rest(lib: Path) -> None:
-    """kv_live [Hk, 3] (runtime/models/kv_heads.py): head 0 every row, head 1 the odd rows
-    (the even ones are another rank's), head 2 none: its cache, NaN here, is never read.
-    Decode rows count in the batch, prompt rows in their chunk."""
+def test_a_shared_head_attends_its_positions_and_zeros_the_rest(lib: Path) -> None:
+    """kv_live [Hk, 3] (runtime/models/kv_heads.py): head 0 every query, head 1 the queries
+    at odd positions (the even ones are another rank's), head 2 none: its cache, NaN here,
+    is never read. By the query's position (a decode query's is ctx_len - 1), not by its row
+    in the batch or chunk: here the two differ in parity for some rows."""
     torch.manual_seed(8)
     nb, bs, b, hq, hk, d = 12, 16, 5, 6, 3, 64
     kc, vc = (torch.randn(nb, bs, hk, d).to(torch.bfloat16) for _ in range(2))
@@ -89,18 +90,20 @@ def test_a_shared_head_attends_its_rows_and_zeros_the_rest(lib: Path) -> None:
     got = torch.ops.aotllm.paged_decode_attention(q, kc, vc, tables, ctx, 0.125, rows)
     want = torch.ops.aotllm.paged_decode_attention(q[:, :4], kc[:, :, :2], vc[:, :, :2], tables,
                                                    ctx, 0.125)
-    odd = torch.arange(b) % 2 == 1
+    odd = (ctx - 1) % 2 == 1
+    assert odd.tolist() == [False, True, True, False, True]  # rows 2 and 4: even rows, odd positions
     assert torch.equal(got[:, :2], want[:, :2]) and torch.equal(got[odd, 2:4], want[odd, 2:4])
     assert not got[~odd, 2:4].any() and not got[:, 4:].any()
     qp = torch.randn(2, 19, hq, d).to(torch.bfloat16)  # 10 odd rows: a tile of 8 and one of 2
-    pos = torch.stack((torch.arange(19), torch.arange(19) + 30))
+    pos = torch.stack((torch.arange(19), torch.arange(19) + 31))  # chunk 1: odd rows at even positions
     gotp = torch.ops.aotllm.paged_prefill_attention(qp, kc, vc, tables[:2], pos, 0.125, rows)
     wantp = torch.ops.aotllm.paged_prefill_attention(qp[:, :, :4], kc[:, :, :2], vc[:, :, :2],
                                                      tables[:2], pos, 0.125)
-    oddp = torch.arange(19) % 2 == 1
     assert torch.equal(gotp[:, :, :2], wantp[:, :, :2])
-    assert torch.equal(gotp[:, oddp, 2:4], wantp[:, oddp, 2:4])
-    assert not gotp[:, ~oddp, 2:4].any() and not gotp[:, :, 4:].any()
+    for c in range(2):
+        oddp = pos[c] % 2 == 1
+        assert torch.equal(gotp[c, oddp, 2:4], wantp[c, oddp, 2:4])
+        assert not gotp[c, ~oddp, 2:4].any() and not gotp[c, :, 4:].any()
 
 
 @pytest.mark.parametrize("kv_rows", [None, [[1, 0, 1], [2, 1, 2]], [[2, 0, 1], [1, 0, 0]]])

@@ -9,7 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+from contract.profile import BuildProfile
 from contract.speculative import Speculative
+from pipeline.build import build_engine
+from pipeline.config import BuildConfig
 from runtime.core.scheduler import SchedulerConfig
 from runtime.core.types import SamplingParams, TokenEvent, TokenLogprob
 from runtime.executors.loop import LLMEngine
@@ -74,6 +77,32 @@ def test_tp2_greedy_outputs_equal_plain_decoding(tiny_models: dict[str, Path],
     assert result["spec"] == result["plain"]
     assert any(stop for stop in result["stops"]), "a stop token mid-draft"
     assert result["accepted"] > 0
+
+
+def test_tp2_aoti_bf16_speculation_keeps_every_logprob_bit_for_bit(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """3 KV heads over 2 ranks share the middle one (runtime/models/kv_heads.py): each token
+    attends it on the rank its position names, so a verify step (the sequence's tokens as a
+    prompt chunk's rows) and plain decode (one batch row each) add the same partial sums in
+    the o_proj all-reduce. By batch row they did not, and bf16 log-probabilities differed in
+    their last bits (greedy SmolLM2 at TP=2 flipped at near-ties). A compiled bf16 engine,
+    as served: tokens and every greedy log-probability equal, bit for bit."""
+    profile = BuildProfile(max_batch_size=8, max_num_tokens=64, max_seq_len=128,
+                           tokens_per_block=BLOCK)
+    engine = build_engine(BuildConfig(model=str(tiny_models["llama_kv3"]), tp=2, backend="aoti",
+                                      dtype="bfloat16", target="cpu", profile=profile,
+                                      store=str(tmp_path / "store"))).engine_dir
+    out = tmp_path / "result.json"
+    proc = run_mpirun(2, [sys.executable, "-m", "tests.runtime.mpi_spec_worker", str(out),
+                          str(engine)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["spec"] == result["plain"]
+    assert result["accepted"] > 0
+    lps, want = result["spec_logprobs"], result["plain_logprobs"]
+    assert lps.keys() == want.keys() and len(lps) == len(result["plain"])
+    for k in want:
+        assert lps[k] == want[k], f"request {k}: {lps[k]} != {want[k]}"
 
 
 Traced = dict[str, tuple[list[int], list[TokenLogprob], list[int]]]

@@ -39,8 +39,8 @@ def test_smollm2s_three_kv_heads_over_two_ranks_share_the_middle_one() -> None:
 
 @pytest.mark.parametrize(("kv", "tp"), [(3, 2), (5, 2), (5, 4), (6, 4), (3, 4), (7, 4), (5, 8),
                                         (4, 2), (8, 4), (1, 2), (2, 4)])
-def test_every_row_of_every_head_is_attended_by_exactly_one_rank(kv: int, tp: int) -> None:
-    """For each head and each row residue, one rank attends it; where the plan shares heads,
+def test_every_position_of_every_head_is_attended_by_exactly_one_rank(kv: int, tp: int) -> None:
+    """For each head and each position residue, one rank attends it; where the plan shares heads,
     every rank's work is the same H / tp heads."""
     cfg = _cfg(kv * 2, kv)
     plan = kv_plan(cfg, tp)
