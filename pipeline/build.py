@@ -267,7 +267,8 @@ def build_engine(cfg: BuildConfig, progress: Progress | None = None) -> BuildRes
             else:
                 from pipeline.golden import compute_golden
 
-                golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile)
+                golden = compute_golden(tmp, cfg.backend, cfg.tp, cfg.dtype, cfg.profile,
+                                        target.device)
         fidelity: dict = {}
         if cfg.backend != "trtllm":
             with clock("fidelity"), progress.stage("fidelity"):

@@ -123,6 +123,9 @@ def compile_engine(
         kernels.load(engine_dir / KERNELS_LIB)
     with _trace_group(tp):
         model = build_model(cfg, TPContext(0, tp), td, device, use_kernels, quant, weight_layout)
+        # RoPE's inverse frequencies are made on the host whatever the device
+        # (runtime/models/rope.py): on a GPU they would enter the program as CPU tensors.
+        model = model.to(device)
         args = tuple(a.to(device) for a in example_inputs(profile, cfg.vocab_size))
         # The runner's cache layout (head-major strides): the program is compiled for them.
         kv = empty_kv_cache(kv_cache_shape(cfg, tp, 32, profile.tokens_per_block), td, device)

@@ -7,7 +7,7 @@ that covers legitimate floating-point noise (thread counts, kernel choice) but n
 corrupted, truncated or swapped shard.
 
 Each rank of a TP>1 engine runs (pipeline/golden.py starts it at build time):
-    mpirun -n TP python -m runtime.executors.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS
+    mpirun -n TP python -m runtime.executors.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS [DEVICE]
 """
 
 from __future__ import annotations
@@ -238,20 +238,25 @@ def run_logprobs(runner: ModelRunner, ids: list[int],
 
 
 def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
-              comm: Comm, max_tokens: int = 0) -> dict[str, Any] | None:
+              comm: Comm, max_tokens: int = 0, device: str = "cpu") -> dict[str, Any] | None:
     """Run the golden prompt on this process's rank; returns the record on rank 0. With
     `max_tokens` (the profile's token budget), also the fidelity text's log-probabilities,
-    saved as engine_dir/FIDELITY_FILE for the build to compare (pipeline/fidelity.py)."""
+    saved as engine_dir/FIDELITY_FILE for the build to compare (pipeline/fidelity.py).
+    `device`: the target's ("cpu" or "cuda"), where the engine runs as the server runs it
+    (a rank's GPU by its local rank, NCCL between ranks)."""
     from runtime.executors.loop import worker_loop
     from runtime.executors.torch import runner_from_engine
     from runtime.models.parallel import TPContext
 
-    comm.init_process_group("gloo")
+    if device == "cuda":
+        device = f"cuda:{comm.local_rank % max(1, torch.cuda.device_count())}"
+        torch.cuda.set_device(device)
+    comm.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     tp = TPContext(comm.rank, comm.size)
     blocks = (max(64 + GOLDEN_STEPS, FIDELITY_MAX_TOKENS)) // block_size + 2
     # The build's own fresh output: no manifest yet (it records what this run computes).
     runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size,
-                                     max_tokens or None)
+                                     max_tokens or None, device)
     if comm.rank != 0:
         worker_loop(runner, comm)
         return None
@@ -263,7 +268,7 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
         # Serialized in memory, written as plain bytes: a full disk is then the OSError
         # (ENOSPC) the build reports as such, not torch's zip writer's RuntimeError.
         buf = io.BytesIO()
-        torch.save({"ids": ids, "logprobs": logprobs}, buf)
+        torch.save({"ids": ids, "logprobs": logprobs.cpu()}, buf)
         (engine_dir / FIDELITY_FILE).write_bytes(buf.getbuffer())
     if comm.size > 1:
         comm.send_plan(StepPlan(-1, shutdown=True))
@@ -273,12 +278,13 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
 
 def main(argv: list[str]) -> None:
     """One rank of the build's golden run under mpirun; rank 0 writes the record."""
-    engine_dir, backend, dtype, block_size, out, max_tokens = argv
+    engine_dir, backend, dtype, block_size, out, max_tokens, *rest = argv
     torch.set_num_threads(1)
     comm = Comm.from_mpi()
     code = 1
     try:
-        rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm, int(max_tokens))
+        rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm, int(max_tokens),
+                        rest[0] if rest else "cpu")
         if rec is not None:
             Path(out).write_text(json.dumps(rec))
         code = 0
@@ -288,4 +294,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:7])
+    main(sys.argv[1:8])

@@ -57,16 +57,25 @@ def make_step_fn(
     raise ValueError(f"backend {backend!r} has no torch step function")
 
 
+# torch's package loader (AOTIModelPackageLoader) opens an unpacked package directory in the
+# torch this project is built and tested with (2.13); torch 2.11's only opens the zip, and
+# fails on a directory. Before 2.13 the zip (rank{N}.pt2, also in every engine) is loaded.
+LOADS_DIRECTORIES = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def package_files(names: Iterable[str], rank: int) -> list[str]:
     """The engine files a rank's compiled package loads from: its unpacked directory
-    (rank{N}.aoti/, engines built since it exists) or else the zip (rank{N}.pt2)."""
+    (rank{N}.aoti/, engines built since it exists, where torch can load one) or else the
+    zip (rank{N}.pt2)."""
     prefix = rank_package_dir(rank) + "/"
-    return [n for n in names if n.startswith(prefix)] or [rank_package(rank)]
+    unpacked = [n for n in names if n.startswith(prefix)] if LOADS_DIRECTORIES else []
+    return unpacked or [rank_package(rank)]
 
 
 def package_path(engine_dir: Path, rank: int) -> Path:
     unpacked = engine_dir / rank_package_dir(rank)
-    return unpacked if unpacked.is_dir() else engine_dir / rank_package(rank)
+    return (unpacked if LOADS_DIRECTORIES and unpacked.is_dir()
+            else engine_dir / rank_package(rank))
 
 
 def allocate_kv_cache(

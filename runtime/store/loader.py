@@ -112,11 +112,16 @@ def read_object_hashed(store: ObjectStore, key: str, size: int, pin: bool = Fals
     return buf, digest, secs
 
 
-def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Zero-copy views of every tensor in a safetensors byte buffer (any device)."""
+def _header(buf: torch.Tensor) -> tuple[int, dict]:
+    """A safetensors byte buffer's data offset and header."""
     header_len = struct.unpack("<Q", bytes(buf[:8].cpu().numpy()))[0]
-    header = json.loads(bytes(buf[8 : 8 + header_len].cpu().numpy()))
-    base = 8 + header_len
+    return 8 + header_len, json.loads(bytes(buf[8 : 8 + header_len].cpu().numpy()))
+
+
+def tensors_from_safetensors(buf: torch.Tensor, align: int = 1) -> dict[str, torch.Tensor]:
+    """Zero-copy views of every tensor in a safetensors byte buffer (any device); a tensor
+    whose address is not a multiple of its item size (or of `align`) is copied."""
+    base, header = _header(buf)
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -125,10 +130,30 @@ def tensors_from_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
         start, end = (base + o for o in info["data_offsets"])
         raw = buf[start:end]
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if start % itemsize:
-            raw = raw.clone()  # misaligned for this dtype: one small copy
+        if raw.data_ptr() % max(itemsize, align):
+            raw = raw.clone()  # misaligned: one copy of this tensor
         out[name] = raw.view(dtype).view(info["shape"])
     return out
+
+
+# AOTInductor's GPU kernels assume every constant (weight) starts on a 16-byte boundary
+# (torch/_inductor/codegen/triton_utils.py: "all constants are assumed to be aligned"),
+# and AOTInductor itself places them on 64 bytes; safetensors packs tensors back to back
+# after a header padded to 8 bytes only, so a shard's views may start 8 bytes off.
+DEVICE_ALIGN = 64
+
+
+def _device_shift(buf: torch.Tensor) -> int:
+    """Where in a DEVICE_ALIGN-aligned allocation the shard's bytes start so that most of
+    its tensor bytes are aligned (the few others are copied by tensors_from_safetensors)."""
+    base, header = _header(buf)
+    weight: dict[int, int] = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            a, b = info["data_offsets"]
+            r = (base + a) % DEVICE_ALIGN
+            weight[r] = weight.get(r, 0) + b - a
+    return (-max(weight, key=weight.__getitem__)) % DEVICE_ALIGN if weight else 0
 
 
 def load_shard(path: Path, device: str = "cpu", store: ObjectStore | None = None,
@@ -140,9 +165,14 @@ def load_shard(path: Path, device: str = "cpu", store: ObjectStore | None = None
     else:
         buf, digest, read_s = read_object_hashed(store, key, size, pin=pin)
     h2d_s = 0.0
+    align = 1
     if pin:
+        shift, align = _device_shift(buf), 16
         t0 = time.perf_counter()
-        buf = buf.to(device, non_blocking=True)
+        dev = torch.empty(buf.numel() + shift, dtype=torch.uint8, device=device)
+        dev[shift:].copy_(buf, non_blocking=True)
         torch.cuda.synchronize()
         h2d_s = time.perf_counter() - t0
-    return LoadedShard(path, tensors_from_safetensors(buf), buf.numel(), digest, read_s, h2d_s, buf)
+        buf = dev[shift:]
+    return LoadedShard(path, tensors_from_safetensors(buf, align), buf.numel(), digest, read_s,
+                       h2d_s, buf)
