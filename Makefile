@@ -58,7 +58,7 @@ bench-peers: $(STAMP)
 	bash bench/peers.sh
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.run $(if $(QUANT),--quant) $(if $(GEMMA3),--gemma3)
+	$(BIN)/python -m bench.run $(if $(QUANT),--quant) $(if $(GEMMA3),--gemma3) $(if $(SPEC),--spec)
 
 # Speculative decoding on and off (issue #36): copy prompts and free generation, c=1 and
 # c=16, off / ngram:4 fixed / ngram:4 adaptive, interleaved rounds, outputs checked equal;

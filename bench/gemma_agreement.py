@@ -198,7 +198,9 @@ def model_id(port: int) -> str:
 
 
 def agreement(res: dict[str, Any], args: argparse.Namespace, gguf: Path, hf_dir: Path,
-              engine: Path, out: Path) -> None:
+              engines: dict[int, Path], out: Path) -> None:
+    """Every engine's side (TP=1's cached with --ours-positions), then llama-server's once;
+    res["agreement"] is TP=1's (or the lowest TP's), res["agreement_tp"] each engine's."""
     from bench.prompts import load_tokenizer
     from bench.quant_accuracy import load_text
     from bench.servers import ours_spec, serve
@@ -210,22 +212,26 @@ def agreement(res: dict[str, Any], args: argparse.Namespace, gguf: Path, hf_dir:
     ids_of = text_to_id(tok)
     res["agreement_text"] = {**source, "tokens": sum(len(w) - 1 for w in wins),
                              "windows": len(wins), "window": args.window}
-    t0 = time.perf_counter()
-    cache = args.ours_positions
-    if cache is not None and cache.exists():  # ours measured earlier (same text and engine)
-        ours = [{int(k): v for k, v in d.items()} for d in json.loads(cache.read_text())]
-        res["notes"].append(f"our side's positions read from {cache} (measured earlier)")
-    else:
-        spec = ours_spec(engine, common.free_port(), 1, "auto", "ours-tp1")
-        with serve(spec, out / "logs") as s:
-            port = s.spec.port
-            ours = [p for w in wins for p in ours_window(port, model_id(port), w, args.top,
-                                                         ids_of)]  # fmt: skip
-        res["commands"].append(spec.command)
-        if cache is not None:
-            cache.write_text(json.dumps(ours))
-    print(f"ours: {len(ours)} positions in {time.perf_counter() - t0:.0f} s", flush=True)
-    if "llama" in args.skip_side:
+    ours_tp: dict[int, list[dict[int, float]]] = {}
+    for tp, engine in sorted(engines.items()):
+        t0 = time.perf_counter()
+        cache = args.ours_positions if tp == 1 else None
+        if cache is not None and cache.exists():  # ours measured earlier (same text and engine)
+            ours = [{int(k): v for k, v in d.items()} for d in json.loads(cache.read_text())]
+            res["notes"].append(f"our side's positions read from {cache} (measured earlier)")
+        else:
+            spec = ours_spec(engine, common.free_port(), tp, "auto", f"ours-tp{tp}")
+            with serve(spec, out / "logs") as s:
+                port = s.spec.port
+                ours = [p for w in wins for p in ours_window(port, model_id(port), w, args.top,
+                                                             ids_of)]  # fmt: skip
+            res["commands"].append(spec.command)
+            if cache is not None:
+                cache.write_text(json.dumps(ours))
+        ours_tp[tp] = ours
+        print(f"ours TP={tp}: {len(ours)} positions in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    if "llama" in args.skip_side or not ours_tp:
         return
     t0 = time.perf_counter()
     spec = llama_agreement_spec(gguf, common.free_port(), args.window + 16, args.threads)
@@ -233,8 +239,9 @@ def agreement(res: dict[str, Any], args: argparse.Namespace, gguf: Path, hf_dir:
         ref = [p for w in wins for p in llama_window(s.spec.port, w, args.top)]
     res["commands"].append(spec.command)
     print(f"llama-server: {len(ref)} positions in {time.perf_counter() - t0:.0f} s", flush=True)
-    res["agreement"] = summarize(ref, ours)
-    print(json.dumps(res["agreement"]), flush=True)
+    res["agreement_tp"] = {str(tp): summarize(ref, ours) for tp, ours in ours_tp.items()}
+    res["agreement"] = res["agreement_tp"][str(min(ours_tp))]
+    print(json.dumps(res["agreement_tp"]), flush=True)
 
 
 def float_gguf(quantized: Path) -> Path:
@@ -324,6 +331,7 @@ def render(res: dict[str, Any], out: Path) -> str:
                  [f"llama.cpp's top-{res['top']} mass (mean)", f"{a['ref_topn_mass_mean']:.4f}",
                   "", ""]]),
             "",
+            *_by_tp(res),
             f"KL is over the tokens both top-{res['top']} lists hold, plus one bucket for "
             "the rest of each side's mass: a lower bound of the full-vocabulary KL (the "
             "coarse-graining can only lower it), tight when the lists hold most of the mass. "
@@ -458,9 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         res["notes"].append(f"llama-server missing: {common.peer_status('llama')}")
     try:
         peer = common.llama_server_bin().exists() or "llama" in args.skip_side
-        if "agreement" not in args.skip and 1 in engines and peer:
+        if "agreement" not in args.skip and engines and peer:
             try:
-                agreement(res, args, gguf, hf_dir, engines[1], out)
+                agreement(res, args, gguf, hf_dir, engines, out)
             except Exception as exc:
                 traceback.print_exc()
                 res["agreement_error"] = str(exc)[:300]
@@ -489,10 +497,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _by_tp(res: dict[str, Any]) -> list[str]:
+    """Each engine's figures when more than one TP was measured (the same text and
+    llama-server side): a TP=2 engine splits every layer's heads and MLP over two ranks."""
+    by = res.get("agreement_tp", {})
+    if len(by) < 2:
+        return []
+    rows = [[f"TP={tp}", f"{a['top1_agreement']:.2%}", f"{a['mean_kl']:.5f}",
+             f"{a['p99_kl']:.4f} / {a['max_kl']:.4f}",
+             "yes" if a["top1_agreement"] >= TARGET_TOP1 and a["mean_kl"] <= TARGET_KL else "no"]
+            for tp, a in sorted(by.items())]
+    return ["Each engine of ours against the same llama-server side:", "",
+            *common.md_table(["engine", "top-1 agreement", "mean KL", "p99 / max KL",
+                              "targets met"], rows), ""]
+
+
 def _merge(res: dict[str, Any], other: dict[str, Any], path: Path) -> None:
     """Sections of an earlier run's results that this run did not measure."""
     taken = []
-    for key in ("agreement", "agreement_text", "llama_perplexity", "workload"):
+    for key in ("agreement", "agreement_tp", "agreement_text", "llama_perplexity", "workload"):
         if key in other and key not in res:
             res[key] = other[key]
             taken.append(key)

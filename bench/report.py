@@ -116,6 +116,12 @@ def targets(res: dict[str, Any]) -> list[str]:
             rows.append(_ratio_row(f"ours-gemma3-tp1 c={c} >= {need}x llama-server-gemma3",
                                    tok("ours-gemma3-tp1", c), tok("llama-server-gemma3", c),
                                    need))  # fmt: skip
+    for name in ("ours-tp1-ngram", "ours-tp2-ngram"):  # issue 36: speculation never costs
+        if name in sys_:
+            off = name.removesuffix("-ngram")
+            for c in (1, 16):
+                rows.append(_ratio_row(f"{name} c={c} >= 0.95x {off} (speculation off)",
+                                       tok(name, c), tok(off, c), 0.95))  # fmt: skip
     for name in OURS:
         s = sys_.get(name, {})
         if s.get("status") != "ok":

@@ -1,6 +1,6 @@
 """`make bench`: every system side by side in one run, on the same weights and prompts.
 
-    python -m bench.run [--quick] [--quant] [--gemma3] [--engine-tp1 DIR] [--engine-tp2 DIR] [--skip NAME ...]
+    python -m bench.run [--quick] [--quant] [--gemma3] [--spec] [--engine-tp1 DIR] [--engine-tp2 DIR] [--skip NAME ...]
 
 Order: engines of ours built (or reused), floors (nothing else running), transformers
 generate, then each served system in turn: cold start (page cache dropped before launch
@@ -10,7 +10,9 @@ concurrency sweep. Each system has a time budget (bench/systems.py), so the run 
 note. `--quant` adds our int8_wo/int4_wo engines and llama-server on the Q8_0/Q4_0 GGUFs
 they are built from (c=1 and c=16 only, ~20 minutes more). `--gemma3` adds Gemma 3 270M:
 our TP=1 engine and llama-server on the wheels' Q4_K_M GGUF (c=1 and c=16, ~10 minutes
-more; `make bench-peers` first). Writes bench/results/<UTC stamp>/ and refreshes bench/results/latest/. SIGTERM and
+more; `make bench-peers` first). `--spec` adds our TP=1 and TP=2 engines served with
+prompt-lookup speculation on (`--speculative ngram:4`, c=1 and c=16, ~8 minutes more), each
+checked against its twin with speculation off. Writes bench/results/<UTC stamp>/ and refreshes bench/results/latest/. SIGTERM and
 Ctrl-C stop the running server and still write the report.
 """
 
@@ -42,14 +44,15 @@ QUICK = phases.Workload(
 class Run:
     """Accumulates results, commands and notes; every external command goes through here."""
 
-    def __init__(self, out: Path, quick: bool, quant: bool = False, gemma3: bool = False
-                 ) -> None:
+    def __init__(self, out: Path, quick: bool, quant: bool = False, gemma3: bool = False,
+                 spec: bool = False) -> None:
         self.out = out
         self.quick = quick
         self.t0 = time.perf_counter()
         self.deadline = (self.t0 + systems.TOTAL_BUDGET_S
                          + (systems.QUANT_BUDGET_S if quant else 0)
-                         + (systems.GEMMA3_BUDGET_S if gemma3 else 0))
+                         + (systems.GEMMA3_BUDGET_S if gemma3 else 0)
+                         + (systems.SPEC_BUDGET_S if spec else 0))
         self.res: dict[str, Any] = {
             "started_utc": out.name, "quick": quick, "machine": common.machine_info(),
             "versions": {}, "commands": [], "notes": [], "systems": {},
@@ -150,6 +153,8 @@ def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
         planned += systems.plan_quant(hf_dir, run.sh, args.skip)
     if args.gemma3:
         planned += systems.plan_gemma3(run.sh, args.skip)
+    if args.spec:
+        planned += systems.plan_spec(planned, args.skip)
     files = systems.engine_files(planned)
     print("floors", flush=True)
     run.res["floors"] = floors.measure_all(args.quick, files, hf_dir)
@@ -198,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="add int8_wo/int4_wo engines and llama-server on Q8_0/Q4_0 (issue 12)")
     ap.add_argument("--gemma3", action="store_true",
                     help="add Gemma 3 270M (ours TP=1, llama-server on the same GGUF; issue 35)")
+    ap.add_argument("--spec", action="store_true",
+                    help="add ours TP=1 and TP=2 with speculation on (ngram:4; issue 36)")
     ap.add_argument("--engine-tp1", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--engine-tp2", type=Path, default=None, help="default: pipeline build")
     ap.add_argument("--hf-dir", type=Path, default=None, help="default: python -m demo.model")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=(*systems.SYSTEMS, *systems.QUANT_SYSTEMS, *systems.GEMMA3_SYSTEMS))
+                    choices=(*systems.SYSTEMS, *systems.QUANT_SYSTEMS, *systems.GEMMA3_SYSTEMS,
+                             *systems.SPEC_SYSTEMS))
     ap.add_argument("--warm-start", action="store_true", help="do not drop the page cache")
     ap.add_argument("--no-latest", action="store_true", help="leave bench/results/latest alone")
     args = ap.parse_args(argv)
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupt)
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    run = Run(common.RESULTS / stamp, args.quick, args.quant, args.gemma3)
+    run = Run(common.RESULTS / stamp, args.quick, args.quant, args.gemma3, args.spec)
     run.out.mkdir(parents=True, exist_ok=True)
     wl = QUICK if args.quick else FULL
     run.res["workload"] = asdict(wl)

@@ -25,6 +25,10 @@ QUANT_LEVELS = (1, 16)  # the concurrencies issue 12's targets name
 # `--gemma3` adds these (issue 35): Gemma 3 270M, our TP=1 engine built from the wheels'
 # Q4_K_M GGUF (dequantized exactly, then bfloat16) and llama-server on the same file.
 GEMMA3_SYSTEMS = ("ours-gemma3-tp1", "llama-server-gemma3")
+# `--spec` adds these (issue 36): the run's TP=1 and TP=2 engines served again with
+# prompt-lookup speculation on (`--speculative ngram:4`), beside the same engines with it off.
+SPEC_SYSTEMS = ("ours-tp1-ngram", "ours-tp2-ngram")
+SPEC_ARGS = ("--speculative", "ngram:4")
 
 # Seconds each system may take, launch to last request, so that `make bench` ends within
 # 40 minutes on 2 cores even when one system is far slower than expected. vLLM gets the
@@ -37,11 +41,13 @@ BUDGET_S = {
     "vllm": 600.0,
     **{name: 240.0 for name in QUANT_SYSTEMS},
     **{name: 240.0 for name in GEMMA3_SYSTEMS},
+    **{name: 240.0 for name in SPEC_SYSTEMS},
 }
 QUICK_BUDGET_S = 240.0
 TOTAL_BUDGET_S = 38 * 60.0  # the whole run, builds included; 2 minutes kept for the report
 QUANT_BUDGET_S = 40 * 60.0  # what `--quant` adds: four engine builds and six systems
 GEMMA3_BUDGET_S = 15 * 60.0  # what `--gemma3` adds: one engine build (a cache hit later), two systems
+SPEC_BUDGET_S = 9 * 60.0  # what `--spec` adds: two systems on engines already built
 # vLLM's compile cache for the run, emptied before its launch (see fresh_vllm_cache).
 VLLM_CACHE = common.cache_dir() / "vllm-compile-cache"
 
@@ -138,6 +144,25 @@ def plan_gemma3(sh: Callable[[list[str]], str], skip: Sequence[str] = ()) -> lis
                 continue
             spec = ours_spec(engine, common.free_port(), tp_of(name), "auto", name)
             out.append(Planned(name, spec, levels=QUANT_LEVELS, tokenizer_dir=hf_dir))
+    return out
+
+
+def plan_spec(planned: Sequence[Planned], skip: Sequence[str] = ()) -> list[Planned]:
+    """Speculation on, each system on the engine its plain twin (ours-tp1, ours-tp2) serves,
+    at c=1 and c=16; the report puts each beside its twin."""
+    twins = {p.name: p for p in planned}
+    out: list[Planned] = []
+    for name in SPEC_SYSTEMS:
+        twin = twins.get(name.removesuffix("-ngram"))
+        if name in skip:
+            out.append(Planned(name, None, "skipped on the command line"))
+        elif twin is None or twin.spec is None:
+            out.append(Planned(name, None, f"{name.removesuffix('-ngram')} is not measured"))
+        else:
+            engine = Path(twin.spec.argv[twin.spec.argv.index("--engine") + 1])
+            spec = ours_spec(engine, common.free_port(), tp_of(name), "auto", name)
+            spec = replace(spec, argv=(*spec.argv, *SPEC_ARGS))
+            out.append(Planned(name, spec, levels=QUANT_LEVELS))
     return out
 
 

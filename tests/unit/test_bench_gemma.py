@@ -70,3 +70,14 @@ def test_a_text_maps_to_its_ordinary_token_not_its_byte_fallback() -> None:
     texts[1] = "I"
     m = text_map(texts, [False, True, False, True, True, False, False])
     assert m == {"I": 0, "A": 2, "\ufffd": None, "x": None}
+
+
+def test_each_tp_gets_its_row_against_the_same_llama_side() -> None:
+    from bench.gemma_agreement import _by_tp
+
+    a = {"top1_agreement": 0.9627, "mean_kl": 0.0037, "p99_kl": 0.021, "max_kl": 0.16}
+    b = {**a, "top1_agreement": 0.94}
+    assert _by_tp({"agreement_tp": {"1": a}}) == []  # one engine: the main table says it all
+    lines = _by_tp({"agreement_tp": {"1": a, "2": b}})
+    assert "| TP=1 | 96.27% | 0.00370 | 0.0210 / 0.1600 | yes |" in lines
+    assert "| TP=2 | 94.00% | 0.00370 | 0.0210 / 0.1600 | no |" in lines

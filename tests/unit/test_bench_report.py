@@ -79,6 +79,7 @@ def test_targets_of_tp_and_quantized_engines() -> None:
         "ours-tp1-int8": sys_(c1=64.0, c16=150.0),
         "ours-tp1-int4": sys_(c1=80.0),
         "llama-server-q8_0": sys_(c1=70.0, c16=140.0),
+        "ours-tp1-ngram": sys_(c1=39.0, c16=120.0),
     }}  # fmt: skip
     lines = report.targets(res)
     assert lines[0] == "| target | measured | verdict |"
@@ -92,6 +93,10 @@ def test_targets_of_tp_and_quantized_engines() -> None:
     assert "| ours-tp1-int4 c=1 >= 2.2x ours-tp1 (bf16) | 80.0 / 40.0 tok/s = 2.00x | missed |" in lines
     assert "| ours-tp1-int4 c=16 >= 1.0x llama-server-q4_0 | n/a | not measured |" in lines
     assert "| ours-tp1 launch to ready < 10 s | 12.0 s | missed |" in lines
+    # speculation on against the same engine with it off (issue 36: never below 0.95x)
+    assert "| ours-tp1-ngram c=1 >= 0.95x ours-tp1 (speculation off) | 39.0 / 40.0 tok/s = 0.97x | met |" in lines
+    assert "| ours-tp1-ngram c=16 >= 0.95x ours-tp1 (speculation off) | 120.0 / 130.0 tok/s = 0.92x | missed |" in lines
+    assert not any("ours-tp2-ngram" in line for line in lines)
 
 
 def test_update_latest_replaces_the_run_and_keeps_other_results(

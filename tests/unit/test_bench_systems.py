@@ -59,6 +59,26 @@ def test_quantized_systems_are_built_from_the_gguf_llama_server_serves(
     assert planned["ours-tp1-int8"].why == "skipped on the command line"
 
 
+def test_spec_systems_serve_their_twins_engines_with_speculation_on() -> None:
+    """`--spec`: ours-tp1-ngram serves ours-tp1's engine at TP=1 with ngram:4, at c=1 and
+    c=16; a twin not measured (skipped, or its build failed) skips its speculative one too."""
+    from bench.servers import ours_spec
+
+    tp1 = ours_spec(Path("/engines/smol/tp1"), 20001, 1, "auto", "ours-tp1")
+    planned = [systems.Planned("ours-tp1", tp1), systems.Planned("ours-tp2", None, "failed")]
+    got = {p.name: p for p in systems.plan_spec(planned)}
+    assert list(got) == list(systems.SPEC_SYSTEMS)
+    spec = got["ours-tp1-ngram"].spec
+    assert spec is not None and spec.name == "ours-tp1-ngram" and spec.port != tp1.port
+    assert spec.argv[spec.argv.index("--engine") + 1] == "/engines/smol/tp1"
+    assert spec.argv[spec.argv.index("-n") + 1] == "1"
+    assert spec.argv[-2:] == ("--speculative", "ngram:4") and "--speculative" not in tp1.argv
+    assert got["ours-tp1-ngram"].levels == (1, 16)
+    assert got["ours-tp2-ngram"].spec is None and "ours-tp2 is not measured" in got["ours-tp2-ngram"].why
+    skipped = systems.plan_spec(planned, ["ours-tp1-ngram"])[0]
+    assert skipped.spec is None and skipped.why == "skipped on the command line"
+
+
 def test_a_pinned_server_runs_on_its_cores_only() -> None:
     """The AIPerf cross-check confines the servers to cores the clients do not use."""
     core = min(os.sched_getaffinity(0))
