@@ -47,11 +47,9 @@ import importlib
 import json
 import os
 import pkgutil
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +59,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench.common import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -435,17 +435,6 @@ def end_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def free_port() -> int:
-    for port in random.Random(os.getpid()).sample(range(20000, 32768), 200):
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 class Server:
