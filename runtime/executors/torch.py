@@ -159,6 +159,15 @@ def runner_from_engine(
     return runner, cfg
 
 
+def device_index(device: str) -> int:
+    """The package loader's device index: -1 on the CPU, N for a rank's "cuda:N" (the
+    servers and the golden run name the GPU so), 0 for a bare "cuda"."""
+    if not device.startswith("cuda"):
+        return -1
+    index = torch.device(device).index
+    return 0 if index is None else index
+
+
 class PackageStep:
     """A rank's compiled package with its weights bound, run through our `aotllm` ops:
     torch's own Python binding of the package holds the GIL for the whole step, and rank
@@ -166,7 +175,7 @@ class PackageStep:
 
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], device: str) -> None:
         ops = torch.ops.aotllm
-        self.handle = ops.package_load(str(path), 0 if device.startswith("cuda") else -1)
+        self.handle = ops.package_load(str(path), device_index(device))
         names = ops.package_constant_fqns(self.handle)
         missing = set(names) - set(weights)
         if missing:
@@ -184,7 +193,7 @@ def load_step_fn(path: Path, weights: dict[str, torch.Tensor], device: str = "cp
     """Load a compiled package and bind a rank's weights (kept by the caller: user managed)."""
     if kernels.available():
         return PackageStep(path, weights, device)
-    pkg = torch._inductor.aoti_load_package(str(path), device_index=0 if device == "cuda" else -1)
+    pkg = torch._inductor.aoti_load_package(str(path), device_index=device_index(device))
     names = set(pkg.get_constant_fqns())
     missing = names - set(weights)
     if missing:
