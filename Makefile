@@ -14,7 +14,7 @@ STORE   ?= engines
 DURATION ?= 180
 ENGINE  ?=
 
-.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-spec bench-spec-served bench-gemma3 bench-peers soak faults clean
+.PHONY: install test test-trtllm lint demo demo-remote demo-model build-engine bench bench-spec bench-spec-served bench-gemma3 bench-threads bench-peers soak faults clean
 
 install: $(STAMP)
 
@@ -80,6 +80,13 @@ bench-spec-served: $(STAMP)
 # (bench/gemma_agreement.py; needs `bash bench/peers.sh llama` and `bash bench/peers.sh gemma3`).
 bench-gemma3: $(STAMP)
 	$(BIN)/python -m bench.gemma_agreement
+
+# Threads when the cores are not all ours (issue 31): ours (thread count measured, and one
+# thread) and llama-server (-t 2, -t 1) alone, in a 1.5-core cgroup quota, beside a spinning
+# neighbour, and both (bench/threads.py; root for the cgroup; needs `bash bench/peers.sh llama`
+# and `bash bench/peers.sh gguf`).
+bench-threads: $(STAMP)
+	$(BIN)/python -m bench.threads
 
 # Minutes of mixed, hostile traffic against a TP server, then its invariants (bench/soak.py);
 # without ENGINE, the aoti SmolLM2 demo engine (TP=$(TP), small profile) is built first.

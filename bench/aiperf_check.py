@@ -121,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if not need.exists():
             raise SystemExit(f"error: {need} is missing — run `make bench-peers` first")
 
-    def sh(cmd: list[str]) -> str:
-        return subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
-
-    engine = args.engine or systems.build_engine(sh, hf_dir, 1)
+    engine = args.engine or systems.build_engine(common.sh, hf_dir, 1)
     out = common.RESULTS / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ-aiperf")
     out.mkdir(parents=True)
     tok = load_tokenizer(hf_dir)

@@ -200,3 +200,28 @@ def spec_decode(rows: list[dict[str, Any]], path: Path,
     ax.set_title(title)
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def settings_bars(rows: list[dict[str, Any]], path: Path, servers: list[str],
+                  title: str = "Served tok/s under a CPU quota and beside a busy neighbour") -> Path:
+    """One group of bars per (setting, concurrency), one bar per server, in tokens/s."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    groups = list(dict.fromkeys((r["setting"], r["c"]) for r in rows))
+    width = 0.8 / max(1, len(servers))
+    for j, name in enumerate(servers):
+        xs, ys = [], []
+        for i, g in enumerate(groups):
+            r = next((r for r in rows if (r["setting"], r["c"]) == g and r["server"] == name),
+                     None)
+            if r is not None:
+                xs.append(i + (j - (len(servers) - 1) / 2) * width)
+                ys.append(r["output_tok_s"])
+        bars = ax.bar(xs, ys, width, label=name)
+        for b, y in zip(bars, ys, strict=True):
+            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.0f}", ha="center", va="bottom",
+                    fontsize=6)
+    ax.set_xticks(range(len(groups)), [f"{s}\nc={c}" for s, c in groups], fontsize=7)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -167,6 +167,11 @@ def foreign_cpu_share(
     return max(foreign, 0.0) / (wall_s * cores) if wall_s > 0 else 0.0
 
 
+def sh(cmd: list[str]) -> str:
+    """Run a command in the repository; its stdout (raises on a non-zero exit)."""
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
 def cmdline(argv: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 

@@ -211,6 +211,14 @@ def main() -> None:
     torch.set_num_threads(max(1, cores // comm.size))
     comm.init_process_group("gloo")
     p = m.profile
+    # A sequence longer than the engine's context is refused by the scheduler, and the
+    # window below would wait for its tokens for ever: say so instead.
+    longest = args.context + args.steps + 3 - (-max(args.batches) * args.context // p.max_num_tokens)
+    if longest > p.max_seq_len or max(args.batches) > p.max_batch_size:
+        raise SystemExit(f"error: --context {args.context} + --steps {args.steps} needs "
+                         f"{longest} tokens a sequence and --batches up to {max(args.batches)}; "
+                         f"this engine holds {p.max_seq_len} tokens and {p.max_batch_size} "
+                         "sequences: lower --steps or --context")
     blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
     tp = TPContext(comm.rank, comm.size)
     runner, cfg = runner_from_engine(args.engine, m.backend, m.dtype, tp, blocks,

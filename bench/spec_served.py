@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import statistics
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -103,13 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     hf_dir = common.demo_checkpoint()
 
-    def sh(cmd: list[str]) -> str:
-        return subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True,
-                              check=True).stdout
-
-    engines = {f"ours-tp{tp}": systems.build_engine(sh, hf_dir, tp) for tp in (1, 2)
+    engines = {f"ours-tp{tp}": systems.build_engine(common.sh, hf_dir, tp) for tp in (1, 2)
                if f"ours-tp{tp}" in args.systems}
-    draft_engine = None if args.no_draft else systems.build_engine(sh, hf_dir, 1, "int4_wo")
+    draft_engine = None if args.no_draft else systems.build_engine(common.sh, hf_dir, 1, "int4_wo")
     gguf = common.gguf_for(hf_dir)
     draft_gguf = None if args.no_draft else systems.quant_gguf(hf_dir, "Q4_0")
     if "llama-server" in args.systems:

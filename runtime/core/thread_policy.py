@@ -11,10 +11,16 @@ passive wait policy 23 ms, 1 thread 14.7 ms (llama-server: -t 2 3040 ms p99, -t 
 Alone on the same two cores, 2 threads are the faster by ~1.7x. Neither choice is right in
 every setting and the process cannot see its neighbours, so it measures: the plan's count
 (serve/threads.py) runs, and every `period_s` a probe runs a window of decode steps at half
-the current count (or, below the plan, twice it), then a window at the current count again;
-the faster per decoded token by `margin` is kept. The first probe comes after one second; a
-probe that loses doubles the period up to `max_period_s`, one that wins resets it, so a
-steady setting costs a window every minute.
+the current count (or, below the plan, twice it) and compares it with the current count's
+latest window (kept as it runs, so no step is spent re-measuring it); the faster per decoded
+token by `margin` is kept. A probe that is `give_up` times slower per token after a single
+step stops there: a contended team's step can take a second, and a probe must not cost more
+than one. The first probe comes after one second (after `period_s` when the count starts
+below the plan, as under a fractional quota); a probe that loses doubles the period up to
+`max_period_s`, or waits 50 times what it cost (up to ten minutes) if that is longer, and
+one that wins resets it, so a steady setting costs a window every minute at most. A
+neighbour that arrives later shows as steps `give_up`² times slower than the steps the last
+choice was made on, and brings the next probe forward.
 
 Only decode steps (no prompt tokens) are measured: their cost per token is comparable from
 step to step; a prompt chunk's is not. Plain data, no torch: the engine loop applies the
@@ -23,21 +29,26 @@ count (runtime/executors/loop.py).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-Phase = Literal["run", "probe", "back"]
+Phase = Literal["run", "probe"]
 FIRST_PROBE_S = 1.0  # decode seconds before the first probe
+COST_SHARE = 0.02  # a losing probe's cost, as a share of the decode time until the next
+MAX_COSTLY_PERIOD_S = 600.0  # the longest wait a costly probe earns
 
 
 @dataclass
 class ThreadPolicy:
     most: int  # the plan's threads: never more
+    start: int = 0  # the count the first steps run with (0: `most`)
     window_s: float = 0.3  # decode time measured per arm: three CFS periods (100 ms each)
     period_s: float = 5.0  # a choice holds this long before the next probe
     max_period_s: float = 60.0
     margin: float = 0.1  # the other count must be this much faster per token to take over
     min_steps: int = 3  # and measured over at least this many steps
+    give_up: float = 2.0  # a probe this much slower per token ends after one step
 
     current: int = field(init=False)
     phase: Phase = field(init=False, default="run")
@@ -46,8 +57,11 @@ class ThreadPolicy:
     _candidate: int = field(init=False, default=0)
     _period: float = field(init=False, default=0.0)
     _since: float = field(init=False, default=0.0)  # decode seconds since the last probe
-    _arm: list[float] = field(init=False, default_factory=lambda: [0.0, 0.0, 0.0])
-    _probe_rate: float = field(init=False, default=0.0)
+    # The current count's latest decode steps, (seconds, tokens): at least `window_s` and
+    # `min_steps` of them once there are that many.
+    _recent: deque[tuple[float, int]] = field(init=False, default_factory=deque)
+    _arm: list[tuple[float, int]] = field(init=False, default_factory=list)
+    _chosen_step_s: float = field(init=False, default=0.0)  # mean step when last chosen
     _down_next: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
@@ -55,12 +69,17 @@ class ThreadPolicy:
             raise ValueError(f"most must be at least 1, got {self.most}")
         if not 0 < self.window_s < self.period_s <= self.max_period_s:
             raise ValueError("need 0 < window_s < period_s <= max_period_s")
-        if not 0 <= self.margin < 1 or self.min_steps < 1:
-            raise ValueError("need 0 <= margin < 1 and min_steps >= 1")
-        self.current = self.most
-        # The first probe comes early: a contended team costs a second a step, and a
-        # server that starts beside a busy neighbour should not pay it for `period_s`.
-        self._period = min(self.period_s, FIRST_PROBE_S)
+        if not 0 <= self.margin < 1 or self.min_steps < 1 or self.give_up <= 1 + self.margin:
+            raise ValueError("need 0 <= margin < 1, min_steps >= 1 and give_up > 1 + margin")
+        if not 0 <= self.start <= self.most:
+            raise ValueError(f"start must be in [0, {self.most}], got {self.start}")
+        self.current = self.start or self.most
+        # The first probe comes early when it would go down: a contended team costs a
+        # second a step, and a server that starts beside a busy neighbour should not pay it
+        # for `period_s`. Starting below the plan (a fractional quota), a probe up is only
+        # a chance of more, and takes its time.
+        self._period = min(self.period_s, FIRST_PROBE_S) if self.current == self.most \
+            else self.period_s
 
     def threads(self) -> int:
         """The count the next step runs with."""
@@ -74,38 +93,64 @@ class ThreadPolicy:
             return down if not self._down_next else up
         return down if down is not None else up
 
+    @staticmethod
+    def _rate(steps: deque[tuple[float, int]] | list[tuple[float, int]]) -> float:
+        """Tokens per second over `steps`."""
+        return sum(t for _, t in steps) / max(sum(s for s, _ in steps), 1e-12)
+
+    def _keep(self, seconds: float, tokens: int) -> None:
+        recent = self._recent
+        recent.append((seconds, tokens))
+        while (len(recent) > self.min_steps
+               and sum(s for s, _ in recent) - recent[0][0] >= self.window_s):
+            recent.popleft()
+
     def record(self, seconds: float, tokens: int, decode: bool) -> None:
         """One step's seconds and tokens computed; only decode steps count."""
         if not decode or tokens < 1 or self.most < 2:
             return
         if self.phase == "run":
+            self._keep(seconds, tokens)
             self._since += seconds
+            recent = self._recent
+            # Steps far slower than those the count was chosen on: something changed
+            # (a neighbour, a quota), so the next probe is now rather than in a minute.
+            # Per step, not per token, and squared: a batch that grows from 1 to 64
+            # sequences makes a step about twice as long, a descheduled team 50-100x.
+            if (self._chosen_step_s and len(recent) >= self.min_steps
+                    and sum(s for s, _ in recent) / len(recent)
+                    > self.give_up ** 2 * self._chosen_step_s):
+                self._since = max(self._since, self._period)
             if self._since >= self._period:
                 other = self._other()
                 if other is not None:
-                    self.phase, self._candidate, self._arm = "probe", other, [0.0, 0.0, 0.0]
+                    self.phase, self._candidate, self._arm = "probe", other, []
             return
         arm = self._arm
-        arm[0] += seconds
-        arm[1] += tokens
-        arm[2] += 1
-        # Enough measured, or a count so slow that a few steps tell (one step of a team
-        # that waits on a descheduled thread can take a second).
-        if (arm[0] < self.window_s or arm[2] < self.min_steps) and arm[0] < 4 * self.window_s:
-            return
-        rate = arm[1] / arm[0]  # tokens per second
-        self._arm = [0.0, 0.0, 0.0]
-        if self.phase == "probe":
-            self.phase, self._probe_rate = "back", rate
+        arm.append((seconds, tokens))
+        base = self._rate(self._recent)
+        arm_s = sum(s for s, _ in arm)
+        lost_already = self._rate(arm) * self.give_up < base
+        if (not lost_already and (arm_s < self.window_s or len(arm) < self.min_steps)
+                and arm_s < 4 * self.window_s):
             return
         self.probes += 1
         self.phase, self._since = "run", 0.0
-        if self._probe_rate > rate * (1 + self.margin):
+        if self._rate(arm) > base * (1 + self.margin):
             self.current = self._candidate
             self.switches += 1
             self._period = self.period_s
+            self._recent = deque(arm)
         else:
-            self._period = min(self.max_period_s, self._period * 2)
+            # What the probe cost beyond the current count's rate for the same tokens: the
+            # next probe waits at least `COST_SHARE`'s inverse times that (one step of a
+            # contended team beside a neighbour took 2.5 s: probes a minute apart would
+            # cost 4 % of the time), up to `MAX_COSTLY_PERIOD_S`.
+            arm_tokens = sum(t for _, t in arm)
+            lost = arm_s - arm_tokens / max(base, 1e-12)
+            self._period = min(MAX_COSTLY_PERIOD_S,
+                               max(min(self.max_period_s, self._period * 2), lost / COST_SHARE))
+        self._chosen_step_s = sum(s for s, _ in self._recent) / len(self._recent)
 
     def as_dict(self) -> dict[str, float]:
         return {"intra_op_threads": float(self.current),

@@ -237,7 +237,9 @@ class LLMEngine:
                    **{f"{SPEC_PER_POS}{i}": float(n)
                       for i, n in enumerate(s.spec_accepted_per_pos)},
                    **self._step_time,
-                   **(self.threads.as_dict() if self.threads is not None else {})},
+                   # The count steps run with, measured or fixed (AOTLLM_THREADS, TP > 1).
+                   **(self.threads.as_dict() if self.threads is not None
+                      else {"intra_op_threads": float(torch.get_num_threads())})},
         )
 
     def abort_all(self, reason: FinishReason = "cancelled", error: str | None = None) -> None:

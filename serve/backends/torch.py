@@ -42,6 +42,7 @@ from runtime.store.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.store.loader import LoadedShard
 from runtime.store.source import StoreSource
 from serve.backends.base import Backend, EngineFault, Serving
+from serve.cpu_quota import cpu_quota
 from serve.gates import HOST_FACTS, Evidence, GateChain, GateFailure, shutdown_requested
 from serve.launch import (
     CPU_KV_FRACTION,
@@ -440,9 +441,14 @@ class TorchServing(Serving):
         # AOTLLM_THREADS is the user's own choice.
         tuned = (not on_gpu and torch.get_num_threads() > 1 and THREADS.raw() is None
                  and (self.ctx.comm is None or self.ctx.comm.size == 1))
-        threads = ThreadPolicy(torch.get_num_threads()) if tuned else None
-        ev["step_threads"] = ("chosen per step, measured: at most "
-                         f"{torch.get_num_threads()}" if tuned else torch.get_num_threads())
+        # Under a fractional quota the rounded-down share starts, and a probe tries the rest.
+        quota = cpu_quota() if tuned else None
+        threads = (ThreadPolicy(torch.get_num_threads(),
+                                start=min(torch.get_num_threads(), quota.whole_threads(1))
+                                if quota is not None else 0) if tuned else None)
+        ev["step_threads"] = (f"chosen per step, measured: at most {threads.most}, starting "
+                              f"at {threads.current}" if threads is not None
+                              else torch.get_num_threads())
         self._engine = LLMEngine(self.runner, sc, self.ctx.comm, self.drafter, threads)
         # The drafter and how K is chosen per sequence (runtime/core/spec_policy.py).
         policy = self._engine.scheduler.spec_policy

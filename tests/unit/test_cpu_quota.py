@@ -82,6 +82,11 @@ def test_threads_are_the_ranks_share_rounded_up() -> None:
     assert CpuQuota(2.0, "x").threads(1) == 2
     assert CpuQuota(4.0, "x").threads(2) == 2
     assert CpuQuota(0.2, "x").threads(4) == 1
+    # Rounded down: where a single rank's measured count starts (serve/backends/torch.py).
+    assert CpuQuota(1.5, "x").whole_threads(1) == 1
+    assert CpuQuota(2.0, "x").whole_threads(1) == 2
+    assert CpuQuota(2.7, "x").whole_threads(1) == 2
+    assert CpuQuota(0.5, "x").whole_threads(1) == 1
     with pytest.raises(ValueError, match="positive"):
         CpuQuota(0.0, "x")
 
