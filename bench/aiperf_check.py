@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="servers and clients on every core (default: the clients get the last)")
     ap.add_argument("--cpu-quota", type=float, default=None, metavar="CORES",
                     help="each server in a cgroup with this CPU quota (implies --shared-cores)")
+    ap.add_argument("--llama-threads", type=int, default=None, metavar="N",
+                    help="llama-server's -t (default: every server core; beside AIPerf's busy "
+                    "timing service -t 2 ran ~1 tok/s on 2 cores, -t 1 is its better setting)")
     ap.add_argument("--ours-env", nargs="+", default=["-"], metavar="K=V[,K=V]",
                     help="our server once per value, with that environment added ('-': none)")
     args = ap.parse_args(argv)
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = ours_spec(engine, common.free_port(), 1, "auto",
                          "ours-tp1" + ("" if variant == "-" else f" {variant}"))
         specs.append(dataclasses.replace(spec, env={**spec.env, **extra}))
-    specs.append(llama_spec(gguf, common.free_port(), threads=len(server_cores)))
+    specs.append(llama_spec(gguf, common.free_port(),
+                            threads=args.llama_threads or len(server_cores)))
     if split:
         specs = [pinned(s, server_cores) for s in specs]
         os.sched_setaffinity(0, {cores[-1]})  # this process's loadgen, and AIPerf under it

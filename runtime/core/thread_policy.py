@@ -19,8 +19,8 @@ than one. The first probe comes after one second (after `period_s` when the coun
 below the plan, as under a fractional quota); a probe that loses doubles the period up to
 `max_period_s`, or waits 50 times what it cost (up to ten minutes) if that is longer, and
 one that wins resets it, so a steady setting costs a window every minute at most. A
-neighbour that arrives later shows as steps `give_up`² times slower than the steps the last
-choice was made on, and brings the next probe forward.
+neighbour that arrives later shows as `min_steps` steps in a row `give_up` times slower than
+the fastest of their size since the last choice, and brings the next probe forward.
 
 Only decode steps (no prompt tokens) are measured: their cost per token is comparable from
 step to step; a prompt chunk's is not. Plain data, no torch: the engine loop applies the
@@ -61,7 +61,10 @@ class ThreadPolicy:
     # `min_steps` of them once there are that many.
     _recent: deque[tuple[float, int]] = field(init=False, default_factory=deque)
     _arm: list[tuple[float, int]] = field(init=False, default_factory=list)
-    _chosen_step_s: float = field(init=False, default=0.0)  # mean step when last chosen
+    # The fastest step seen per token count since the last decision, and how many steps
+    # in a row have taken `give_up` times that: a change (a neighbour, a spent quota).
+    _fastest: dict[int, float] = field(init=False, default_factory=dict)
+    _slow_run: int = field(init=False, default=0)
     _down_next: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
@@ -112,14 +115,19 @@ class ThreadPolicy:
         if self.phase == "run":
             self._keep(seconds, tokens)
             self._since += seconds
-            recent = self._recent
-            # Steps far slower than those the count was chosen on: something changed
-            # (a neighbour, a quota), so the next probe is now rather than in a minute.
-            # Per step, not per token, and squared: a batch that grows from 1 to 64
-            # sequences makes a step about twice as long, a descheduled team 50-100x.
-            if (self._chosen_step_s and len(recent) >= self.min_steps
-                    and sum(s for s, _ in recent) / len(recent)
-                    > self.give_up ** 2 * self._chosen_step_s):
+            # Steps far slower than the fastest of the same size since the last decision:
+            # something changed (a neighbour, AIPerf's busy timing service, a quota), so
+            # the next probe is now rather than in a minute. Per token count, so that a
+            # batch that shrinks (fewer tokens a step, each dearer) does not look like it.
+            fastest = self._fastest.get(tokens)
+            self._slow_run = (self._slow_run + 1 if fastest is not None
+                              and seconds > self.give_up * fastest else 0)
+            self._fastest[tokens] = seconds if fastest is None else min(fastest, seconds)
+            # Not sooner than two seconds after the last probe when it would go down (the
+            # answer to contention), `period_s` when up: a contention that comes and goes
+            # (AIPerf's) would otherwise bring a probe every few steps.
+            soonest = 2 * FIRST_PROBE_S if self.current == self.most else self.period_s
+            if self._slow_run >= self.min_steps and self._since >= soonest:
                 self._since = max(self._since, self._period)
             if self._since >= self._period:
                 other = self._other()
@@ -150,7 +158,7 @@ class ThreadPolicy:
             lost = arm_s - arm_tokens / max(base, 1e-12)
             self._period = min(MAX_COSTLY_PERIOD_S,
                                max(min(self.max_period_s, self._period * 2), lost / COST_SHARE))
-        self._chosen_step_s = sum(s for s, _ in self._recent) / len(self._recent)
+        self._fastest, self._slow_run = {}, 0  # the chosen count's steps set a new normal
 
     def as_dict(self) -> dict[str, float]:
         return {"intra_op_threads": float(self.current),
