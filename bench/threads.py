@@ -102,18 +102,26 @@ def measure(spec: ServerSpec, setting: str, quota: float, levels: list[int],
 
 
 def _threads(url: str) -> str:
-    """The policy's state from /metrics: threads now, probes and switches so far."""
+    """The policy's state from /metrics: threads now, probes and switches so far (those
+    made on run-queue waits), and the stepping thread's run-queue seconds."""
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     got = {}
     for line in text.splitlines():
-        for key in ("intra_op_threads", "thread_probes_total", "thread_switches_total"):
+        for key in ("intra_op_threads", "thread_probes_total", "thread_switches_total",
+                    "thread_contended_switches_total", "thread_run_queue_wait_seconds_total"):
             if line.startswith(f"llmserve_{key} "):
-                got[key] = int(float(line.split()[1]))
-    return (f"{got.get('intra_op_threads', '?')} threads, {got.get('thread_probes_total', '?')}"
-            f" probes, {got.get('thread_switches_total', '?')} switches")
+                got[key] = float(line.split()[1])
+
+    def n(key: str) -> str:
+        return f"{got[key]:.0f}" if key in got else "?"
+
+    wait = got.get("thread_run_queue_wait_seconds_total")
+    return (f"{n('intra_op_threads')} threads, {n('thread_probes_total')} probes, "
+            f"{n('thread_switches_total')} switches ({n('thread_contended_switches_total')} on "
+            f"run-queue waits), run-queue wait {'?' if wait is None else f'{wait:.2f}'} s")
 
 
 def report(rows: list[dict[str, Any]], names: list[str], levels: list[int], quota: float,

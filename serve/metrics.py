@@ -137,6 +137,12 @@ class ServingMetrics:
                 # threads against the current count; a switch kept the other.
                 ("thread_probes_total", "Measurements of another intra-op thread count."),
                 ("thread_switches_total", "Times a measured thread count took over."),
+                ("thread_contended_switches_total",
+                 "Switches to fewer threads because the stepping thread waited on a run "
+                 "queue (runtime/runqueue.py) for a share of its decode steps."),
+                ("thread_run_queue_wait_seconds_total",
+                 "Seconds the stepping thread was runnable but off a core during decode "
+                 "steps (a neighbour, a spent CPU quota)."),
             )}
         self.intra_op_threads = Gauge(f"{p}intra_op_threads",
                                       "Intra-op threads rank 0's steps run with.", registry=r)

@@ -49,18 +49,24 @@ class ThreadPolicy:
     margin: float = 0.1  # the other count must be this much faster per token to take over
     min_steps: int = 3  # and measured over at least this many steps
     give_up: float = 2.0  # a probe this much slower per token ends after one step
+    # Contention seen directly: the share of step time the stepping thread spent runnable
+    # but off its core (runtime/runqueue.py) that makes a team of more than one give way
+    # at once, and makes a probe up lose.
+    wait_share: float = 0.1
 
     current: int = field(init=False)
     phase: Phase = field(init=False, default="run")
     probes: int = field(init=False, default=0)
     switches: int = field(init=False, default=0)
+    contended: int = field(init=False, default=0)  # switches down on run-queue waits
+    waited_s: float = field(init=False, default=0.0)  # run-queue seconds of decode steps
     _candidate: int = field(init=False, default=0)
     _period: float = field(init=False, default=0.0)
     _since: float = field(init=False, default=0.0)  # decode seconds since the last probe
-    # The current count's latest decode steps, (seconds, tokens): at least `window_s` and
-    # `min_steps` of them once there are that many.
-    _recent: deque[tuple[float, int]] = field(init=False, default_factory=deque)
-    _arm: list[tuple[float, int]] = field(init=False, default_factory=list)
+    # The current count's latest decode steps, (seconds, tokens, run-queue seconds): at
+    # least `window_s` and `min_steps` of them once there are that many.
+    _recent: deque[tuple[float, int, float]] = field(init=False, default_factory=deque)
+    _arm: list[tuple[float, int, float]] = field(init=False, default_factory=list)
     # The fastest step seen per token count since the last decision, and how many steps
     # in a row have taken `give_up` times that: a change (a neighbour, a spent quota).
     _fastest: dict[int, float] = field(init=False, default_factory=dict)
@@ -74,6 +80,8 @@ class ThreadPolicy:
             raise ValueError("need 0 < window_s < period_s <= max_period_s")
         if not 0 <= self.margin < 1 or self.min_steps < 1 or self.give_up <= 1 + self.margin:
             raise ValueError("need 0 <= margin < 1, min_steps >= 1 and give_up > 1 + margin")
+        if not 0 < self.wait_share < 1:
+            raise ValueError(f"wait_share must be in (0, 1), got {self.wait_share}")
         if not 0 <= self.start <= self.most:
             raise ValueError(f"start must be in [0, {self.most}], got {self.start}")
         self.current = self.start or self.most
@@ -97,24 +105,51 @@ class ThreadPolicy:
         return down if down is not None else up
 
     @staticmethod
-    def _rate(steps: deque[tuple[float, int]] | list[tuple[float, int]]) -> float:
+    def _rate(steps: deque[tuple[float, int, float]] | list[tuple[float, int, float]]) -> float:
         """Tokens per second over `steps`."""
-        return sum(t for _, t in steps) / max(sum(s for s, _ in steps), 1e-12)
+        return sum(t for _, t, _ in steps) / max(sum(s for s, _, _ in steps), 1e-12)
 
-    def _keep(self, seconds: float, tokens: int) -> None:
+    def _waiting(self, steps: deque[tuple[float, int, float]] | list[tuple[float, int, float]]
+                 ) -> bool:
+        """Whether `steps`, a window's time of them, spent `wait_share` of it off a core
+        (a share of time: one contended step of a second is a window by itself)."""
+        seconds = sum(s for s, _, _ in steps)
+        return (seconds >= self.window_s
+                and sum(w for _, _, w in steps) >= self.wait_share * seconds)
+
+    def _keep(self, step: tuple[float, int, float]) -> None:
         recent = self._recent
-        recent.append((seconds, tokens))
+        recent.append(step)
         while (len(recent) > self.min_steps
-               and sum(s for s, _ in recent) - recent[0][0] >= self.window_s):
+               and sum(s for s, _, _ in recent) - recent[0][0] >= self.window_s):
             recent.popleft()
 
-    def record(self, seconds: float, tokens: int, decode: bool) -> None:
-        """One step's seconds and tokens computed; only decode steps count."""
+    def _decided(self) -> None:
+        self.phase, self._since = "run", 0.0
+        self._fastest, self._slow_run = {}, 0  # the chosen count's steps set a new normal
+
+    def record(self, seconds: float, tokens: int, decode: bool, waited: float = 0.0) -> None:
+        """One step's seconds and tokens computed, and the seconds the stepping thread
+        waited on a run queue meanwhile; only decode steps count."""
         if not decode or tokens < 1 or self.most < 2:
             return
+        self.waited_s += waited
+        step = (seconds, tokens, min(waited, seconds))
         if self.phase == "run":
-            self._keep(seconds, tokens)
+            self._keep(step)
             self._since += seconds
+            if self.current > 1 and self._waiting(self._recent):
+                # The team waits for its own threads: the cores are not all ours (a
+                # neighbour, a spent quota). Fewer threads now, no probe: a probe's windows
+                # compare rates that a contention coming and going (AIPerf's) makes noise
+                # of, while the wait itself is the cause, measured.
+                self.current //= 2
+                self.switches += 1
+                self.contended += 1
+                self._period = self.period_s
+                self._recent = deque()
+                self._decided()
+                return
             # Steps far slower than the fastest of the same size since the last decision:
             # something changed (a neighbour, AIPerf's busy timing service, a quota), so
             # the next probe is now rather than in a minute. Per token count, so that a
@@ -135,16 +170,17 @@ class ThreadPolicy:
                     self.phase, self._candidate, self._arm = "probe", other, []
             return
         arm = self._arm
-        arm.append((seconds, tokens))
+        arm.append(step)
         base = self._rate(self._recent)
-        arm_s = sum(s for s, _ in arm)
+        arm_s = sum(s for s, _, _ in arm)
         lost_already = self._rate(arm) * self.give_up < base
         if (not lost_already and (arm_s < self.window_s or len(arm) < self.min_steps)
                 and arm_s < 4 * self.window_s):
             return
         self.probes += 1
-        self.phase, self._since = "run", 0.0
-        if self._rate(arm) > base * (1 + self.margin):
+        # More threads that wait on the run queue would give way again at once.
+        waits = self._candidate > 1 and self._waiting(arm)
+        if self._rate(arm) > base * (1 + self.margin) and not waits:
             self.current = self._candidate
             self.switches += 1
             self._period = self.period_s
@@ -154,13 +190,15 @@ class ThreadPolicy:
             # next probe waits at least `COST_SHARE`'s inverse times that (one step of a
             # contended team beside a neighbour took 2.5 s: probes a minute apart would
             # cost 4 % of the time), up to `MAX_COSTLY_PERIOD_S`.
-            arm_tokens = sum(t for _, t in arm)
+            arm_tokens = sum(t for _, t, _ in arm)
             lost = arm_s - arm_tokens / max(base, 1e-12)
             self._period = min(MAX_COSTLY_PERIOD_S,
                                max(min(self.max_period_s, self._period * 2), lost / COST_SHARE))
-        self._fastest, self._slow_run = {}, 0  # the chosen count's steps set a new normal
+        self._decided()
 
     def as_dict(self) -> dict[str, float]:
         return {"intra_op_threads": float(self.current),
                 "thread_probes_total": float(self.probes),
-                "thread_switches_total": float(self.switches)}
+                "thread_switches_total": float(self.switches),
+                "thread_contended_switches_total": float(self.contended),
+                "thread_run_queue_wait_seconds_total": self.waited_s}

@@ -38,6 +38,7 @@ from runtime.core.types import (
 )
 from runtime.dist.comm import Comm
 from runtime.executors.runner import ModelRunner
+from runtime.runqueue import RunQueueClock
 
 # At DEBUG, one line per request queued and per step (which sequences, how many tokens,
 # how long): enough to see when a request is added and in which step it is admitted.
@@ -55,6 +56,9 @@ class LLMEngine:
         measure (runtime/core/thread_policy.py); None keeps the process's count."""
         self.runner = runner
         self.threads = threads
+        # What the stepping thread waits on a run queue during each step: the policy's
+        # direct sign of contention (read on the engine thread; ~1 µs a read).
+        self._run_queue = RunQueueClock() if threads is not None else None
         self.drafter = drafter
         self.scheduler = Scheduler(config, drafter)
         self.sampler = Sampler()
@@ -171,9 +175,12 @@ class LLMEngine:
             self.comm.send_plan(plan)
         if self.threads is not None and (n := self.threads.threads()) != torch.get_num_threads():
             torch.set_num_threads(n)
+        waited = self._run_queue.seconds() if self._run_queue is not None else 0.0
         t_exec = time.perf_counter()
         sampled_ids, logits = self.runner.execute(plan)
         t_exec = time.perf_counter() - t_exec
+        if self._run_queue is not None:
+            waited = self._run_queue.seconds() - waited
         sampled: dict[int, int] = {}
         forks: dict[int, list[tuple[int, int]]] = {}
         accepted: dict[int, list[int]] = {}
@@ -196,7 +203,7 @@ class LLMEngine:
         decoding = plan.num_tokens - plan.num_draft_rows == len(plan.scheduled)
         kind = "decode" if decoding else "prefill"
         if self.threads is not None:
-            self.threads.record(t_exec, plan.num_tokens, decoding)
+            self.threads.record(t_exec, plan.num_tokens, decoding, waited)
         self._step_time[f"{kind}_steps_total"] += 1
         seconds = time.perf_counter() - t0
         self._step_time[f"{kind}_step_seconds_total"] += seconds

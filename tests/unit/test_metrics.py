@@ -139,6 +139,12 @@ EXPECTED = {
         ("counter", "Measurements of another intra-op thread count.", ()),
     "llmserve_thread_switches_total":
         ("counter", "Times a measured thread count took over.", ()),
+    "llmserve_thread_contended_switches_total":
+        ("counter", "Switches to fewer threads because the stepping thread waited on a run "
+         "queue (runtime/runqueue.py) for a share of its decode steps.", ()),
+    "llmserve_thread_run_queue_wait_seconds_total":
+        ("counter", "Seconds the stepping thread was runnable but off a core during decode "
+         "steps (a neighbour, a spent CPU quota).", ()),
     "llmserve_intra_op_threads": ("gauge", "Intra-op threads rank 0's steps run with.", ()),
     "llmserve_gc_pauses_total":
         ("counter", "Collections of Python's cyclic garbage collector, by generation.",
