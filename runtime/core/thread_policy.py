@@ -21,6 +21,9 @@ below the plan, as under a fractional quota); a probe that loses doubles the per
 one that wins resets it, so a steady setting costs a window every minute at most. A
 neighbour that arrives later shows as `min_steps` steps in a row `give_up` times slower than
 the fastest of their size since the last choice, and brings the next probe forward.
+Contention is also seen directly: a window of steps whose stepping thread waited
+`wait_share` of its time on a run queue (runtime/runqueue.py) halves a team at once, with
+no probe, and makes a probe up lose.
 
 Only decode steps (no prompt tokens) are measured: their cost per token is comparable from
 step to step; a prompt chunk's is not. Plain data, no torch: the engine loop applies the
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Phase = Literal["run", "probe"]
+Step = tuple[float, int, float]  # a decode step: seconds, tokens, run-queue seconds
 FIRST_PROBE_S = 1.0  # decode seconds before the first probe
 COST_SHARE = 0.02  # a losing probe's cost, as a share of the decode time until the next
 MAX_COSTLY_PERIOD_S = 600.0  # the longest wait a costly probe earns
@@ -65,8 +69,8 @@ class ThreadPolicy:
     _since: float = field(init=False, default=0.0)  # decode seconds since the last probe
     # The current count's latest decode steps, (seconds, tokens, run-queue seconds): at
     # least `window_s` and `min_steps` of them once there are that many.
-    _recent: deque[tuple[float, int, float]] = field(init=False, default_factory=deque)
-    _arm: list[tuple[float, int, float]] = field(init=False, default_factory=list)
+    _recent: deque[Step] = field(init=False, default_factory=deque)
+    _arm: list[Step] = field(init=False, default_factory=list)
     # The fastest step seen per token count since the last decision, and how many steps
     # in a row have taken `give_up` times that: a change (a neighbour, a spent quota).
     _fastest: dict[int, float] = field(init=False, default_factory=dict)
@@ -105,24 +109,31 @@ class ThreadPolicy:
         return down if down is not None else up
 
     @staticmethod
-    def _rate(steps: deque[tuple[float, int, float]] | list[tuple[float, int, float]]) -> float:
+    def _rate(steps: deque[Step] | list[Step]) -> float:
         """Tokens per second over `steps`."""
         return sum(t for _, t, _ in steps) / max(sum(s for s, _, _ in steps), 1e-12)
 
-    def _waiting(self, steps: deque[tuple[float, int, float]] | list[tuple[float, int, float]]
-                 ) -> bool:
+    def _waiting(self, steps: deque[Step] | list[Step]) -> bool:
         """Whether `steps`, a window's time of them, spent `wait_share` of it off a core
         (a share of time: one contended step of a second is a window by itself)."""
         seconds = sum(s for s, _, _ in steps)
         return (seconds >= self.window_s
                 and sum(w for _, _, w in steps) >= self.wait_share * seconds)
 
-    def _keep(self, step: tuple[float, int, float]) -> None:
+    def _keep(self, step: Step) -> None:
         recent = self._recent
         recent.append(step)
         while (len(recent) > self.min_steps
                and sum(s for s, _, _ in recent) - recent[0][0] >= self.window_s):
             recent.popleft()
+
+    def _switch(self, count: int, recent: deque[Step]) -> None:
+        """`count` takes over, with `recent` as its latest steps; the next probe in
+        `period_s`."""
+        self.current = count
+        self.switches += 1
+        self._period = self.period_s
+        self._recent = recent
 
     def _decided(self) -> None:
         self.phase, self._since = "run", 0.0
@@ -143,11 +154,8 @@ class ThreadPolicy:
                 # neighbour, a spent quota). Fewer threads now, no probe: a probe's windows
                 # compare rates that a contention coming and going (AIPerf's) makes noise
                 # of, while the wait itself is the cause, measured.
-                self.current //= 2
-                self.switches += 1
+                self._switch(self.current // 2, deque())
                 self.contended += 1
-                self._period = self.period_s
-                self._recent = deque()
                 self._decided()
                 return
             # Steps far slower than the fastest of the same size since the last decision:
@@ -181,10 +189,7 @@ class ThreadPolicy:
         # More threads that wait on the run queue would give way again at once.
         waits = self._candidate > 1 and self._waiting(arm)
         if self._rate(arm) > base * (1 + self.margin) and not waits:
-            self.current = self._candidate
-            self.switches += 1
-            self._period = self.period_s
-            self._recent = deque(arm)
+            self._switch(self._candidate, deque(arm))
         else:
             # What the probe cost beyond the current count's rate for the same tokens: the
             # next probe waits at least `COST_SHARE`'s inverse times that (one step of a
