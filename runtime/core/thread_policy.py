@@ -15,8 +15,8 @@ the current count (or, below the plan, twice it) and compares it with the curren
 latest window (kept as it runs, so no step is spent re-measuring it); the faster per decoded
 token by `margin` is kept. A probe that is `give_up` times slower per token after a single
 step stops there: a contended team's step can take a second, and a probe must not cost more
-than one. The first probe comes after one second (after `period_s` when the count starts
-below the plan, as under a fractional quota); a probe that loses doubles the period up to
+than one. The first probe comes after `period_s`, or after one second where the policy is
+blind to run-queue waits and starts at the plan's count; a probe that loses doubles the period up to
 `max_period_s`, or waits 50 times what it cost (up to ten minutes) if that is longer, and
 one that wins resets it, so a steady setting costs a window every minute at most. A
 neighbour that arrives later shows as `min_steps` steps in a row `give_up` times slower than
@@ -57,6 +57,9 @@ class ThreadPolicy:
     # but off its core (runtime/runqueue.py) that makes a team of more than one give way
     # at once, and makes a probe up lose.
     wait_share: float = 0.1
+    # Whether `record` is given run-queue waits (runtime/runqueue.py's `available`): then a
+    # contended team gives way on them, and the first probe need not come early to find it.
+    sees_waits: bool = False
 
     current: int = field(init=False)
     phase: Phase = field(init=False, default="run")
@@ -89,12 +92,15 @@ class ThreadPolicy:
         if not 0 <= self.start <= self.most:
             raise ValueError(f"start must be in [0, {self.most}], got {self.start}")
         self.current = self.start or self.most
-        # The first probe comes early when it would go down: a contended team costs a
-        # second a step, and a server that starts beside a busy neighbour should not pay it
-        # for `period_s`. Starting below the plan (a fractional quota), a probe up is only
-        # a chance of more, and takes its time.
-        self._period = min(self.period_s, FIRST_PROBE_S) if self.current == self.most \
-            else self.period_s
+        # Blind to run-queue waits, the first probe comes early when it would go down: a
+        # contended team costs a second a step, and a server that starts beside a busy
+        # neighbour should not pay it for `period_s`. Seeing the waits, the team gives way
+        # on them within a window, and an early probe would only cost an uncontended
+        # server a window at half its threads (4-13 % of a short c=1 run, measured).
+        # Starting below the plan (a fractional quota), a probe up is only a chance of
+        # more, and takes its time.
+        early = self.current == self.most and not self.sees_waits
+        self._period = min(self.period_s, FIRST_PROBE_S) if early else self.period_s
 
     def threads(self) -> int:
         """The count the next step runs with."""

@@ -112,6 +112,11 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
     const int64_t n = std::min<int64_t>(bs, ctx - first);
     const scalar_t* kb = kh + blk * k_block;
     const scalar_t* vb = vh + blk * v_block;
+    if ((j + 1) * bs < ctx) {  // the next block's rows, while this one is computed
+      const int64_t nn = std::min<int64_t>(bs, ctx - (j + 1) * bs);
+      prefetch_rows(kh + table[j + 1] * k_block, nn, k_slot, D * sizeof(scalar_t));
+      prefetch_rows(vh + table[j + 1] * v_block, nn, v_slot, D * sizeof(scalar_t));
+    }
     if constexpr (kBf16Scores && std::is_same_v<scalar_t, at::BFloat16>) {
       if (D % 32 == 0) {
         block_scores_bf16(s.qb.data(), kb, k_slot, n, G, gp, D, s.sc, s.probs.data(), bs);

@@ -37,6 +37,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
 from runtime.models.parallel import WORLD_GROUP_NAME, TPContext
 from runtime.quant import runs_here
+from runtime.runqueue import RunQueueClock
 from runtime.store import floors
 from runtime.store.checkpoint import load_engine_model_config, load_engine_quant
 from runtime.store.loader import LoadedShard
@@ -445,7 +446,8 @@ class TorchServing(Serving):
         quota = cpu_quota() if tuned else None
         threads = (ThreadPolicy(torch.get_num_threads(),
                                 start=min(torch.get_num_threads(), quota.whole_threads(1))
-                                if quota is not None else 0) if tuned else None)
+                                if quota is not None else 0,
+                                sees_waits=RunQueueClock().available) if tuned else None)
         ev["step_threads"] = (f"chosen per step, measured: at most {threads.most}, starting "
                               f"at {threads.current}" if threads is not None
                               else torch.get_num_threads())

@@ -94,6 +94,24 @@ def test_small_waits_keep_every_thread() -> None:
     assert p.current == 2 and p.contended == 0
 
 
+def test_seeing_waits_an_idle_server_probes_down_only_after_a_period() -> None:
+    # Blind to run-queue waits, the first probe down comes after a second of decoding, to
+    # find a busy neighbour early. Seeing them, the waits find it (within a window), so an
+    # uncontended server keeps every thread for `period_s`: a short c=1 run pays no probe.
+    blind, seeing = ThreadPolicy(2), ThreadPolicy(2, sees_waits=True)
+    used_blind = drive(blind, lambda n: 0.010 if n == 2 else 0.017, 4.0)
+    used_seeing = drive(seeing, lambda n: 0.010 if n == 2 else 0.017, 4.0)
+    assert blind.probes == 1 and 1 in used_blind
+    assert seeing.probes == 0 and set(used_seeing) == {2}
+    drive(seeing, lambda n: 0.010 if n == 2 else 0.017, seeing.period_s)
+    assert seeing.probes == 1 and seeing.current == 2
+    # A neighbour from the start is still answered at once, by the waits.
+    busy = ThreadPolicy(2, sees_waits=True)
+    used = drive(busy, lambda n: 0.030 if n == 2 else 0.017, 2.0,
+                 wait_share=lambda n: 0.4 if n == 2 else 0.02)
+    assert busy.current == 1 and busy.contended == 1 and used.count(2) * 0.030 < 0.35
+
+
 def test_a_batch_that_grows_does_not_look_like_a_neighbour() -> None:
     # A step of 16 sequences takes twice a step of one: tokens per second rose, nothing
     # to probe for.
