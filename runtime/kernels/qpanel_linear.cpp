@@ -22,18 +22,19 @@
 //   int4 here  6.5    12.0     19.7     34.0      260
 //   bf16 panels 17.3  18.3     27.5     46.4      281      (panel_linear.cpp)
 //
-// x is requantized to int16 per run of 32 as on the row path (quant_int16.h: an error 128x
-// below the input's own bf16 rounding); float32 inputs, which would notice it, and targets
-// without AVX2 take the weights dequantized to float32 and at::linear (correct, not fast:
-// builds choose these layouts for 16-bit models only, on targets with a fast path).
+// x is requantized per run of 32: to int16 against int8 weights, as on the row path
+// (quant_int16.h: an error 128x below the input's own bf16 rounding), and to int8 against
+// int4 weights (llama.cpp's Q8_0 activations: a step 16x below the int4 weights' own; see
+// quantize_runs_int8). float32 inputs, which would notice it, and targets without AVX2 take
+// the weights dequantized to float32 and at::linear (correct, not fast: builds choose these
+// layouts for 16-bit models only, on targets with a fast path).
 //
-// int4 zero points: symmetric (no mins) subtracts 8 from the widened weights; with mins
-// (Q4_1), each run adds min x (the run's sum of x), the float term of W = q * s + min.
+// int4 zero points: symmetric (no mins) takes 8 x the run's sum of int8 x off its integer
+// sums; with mins (Q4_1), each run adds min x (the run's float sum of x), the float term of
+// W = q * s + min.
 //
-// int4 calls with more rows than one pass unpack each panel to int8 pairs once and run the
-// int8 passes (unpack_int4_panel): the int4 pass re-widened the nibbles for every 3 rows.
-// Interleaved, same units as the table: int4 16 rows 25.5-29.0 -> 19.5-21.0, 143 rows
-// 203-207 -> 145-155 (int8 at 143 rows: 146-164).
+// int4 calls with more rows than one pass unpack each panel to quads once
+// (unpack_int4_quads): a pass over the stored nibbles reorders them for every 3 rows.
 #include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -82,43 +83,28 @@ float value_at(const QWeight& w, int64_t n, int64_t k) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int64_t kRowsQ = 3;  // 3 rows: 6 int32 + 6 float accumulators, 2 weights, 1 x
 
-// Pair t of panel `wp` as int16: lo = columns 0..7 (each k, k+1), hi = columns 8..15.
-template <bool kInt4, bool kSym>
+// Pair t of int8 panel `wp` as int16: lo = columns 0..7 (each k, k+1), hi = columns 8..15.
 inline void pair_int16(const uint8_t* wp, int64_t t, __m256i& lo, __m256i& hi) {
-  if constexpr (kInt4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 16));
-    const __m128i m4 = _mm_set1_epi8(15);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m4));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m4));
-    if constexpr (kSym) {
-      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
-      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
-    }
-  } else {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32 + 16)));
-  }
+  lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32)));
+  hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 32 + 16)));
 }
 
-// out[m][16] = rows m of x (int16 xq [MR, K], run scales xs and sums xsum [MR, runs])
-// against panel p of w.
-// wp: the panel's weights, as stored (kInt4) or as int8 pairs (unpack_int4_panel).
-template <int64_t MR, bool kInt4, bool kSym>
+// out[m][16] = rows m of x (int16 xq [MR, K], run scales xs [MR, runs]) against int8 panel p.
+template <int64_t MR>
 inline void panel_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int16_t* xq,
-                       const float* xs, const float* xsum, float* out) {
+                       const float* xs, float* out) {
   const int64_t K = w.K, runs = K / kRun, per_group = w.group / kRun;
   const at::Half* sp = w.scales + p * kCols * w.groups;
-  const at::Half* mp = w.mins ? w.mins + p * kCols * w.groups : nullptr;
   __m256 f0[MR], f1[MR];
   for (int64_t m = 0; m < MR; ++m) f0[m] = f1[m] = _mm256_setzero_ps();
   for (int64_t r = 0; r < runs; ++r) {
     __m256i a0[MR], a1[MR];
     for (int64_t m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
-    const uint8_t* wr = wp + r * (kInt4 ? kRun * kCols / 2 : kRun * kCols);
+    const uint8_t* wr = wp + r * kRun * kCols;
 #pragma GCC unroll 4
     for (int64_t t = 0; t < kRun / 2; ++t) {
       __m256i lo, hi;
-      pair_int16<kInt4, kSym>(wr, t, lo, hi);
+      pair_int16(wr, t, lo, hi);
       for (int64_t m = 0; m < MR; ++m) {
         const __m256i xb = _mm256_set1_epi32(
             *reinterpret_cast<const int32_t*>(xq + m * K + r * kRun + 2 * t));
@@ -134,11 +120,117 @@ inline void panel_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int
       f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[m]), _mm256_mul_ps(s0, xsb), f0[m]);
       f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[m]), _mm256_mul_ps(s1, xsb), f1[m]);
     }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(out + m * kCols, f0[m]);
+    _mm256_storeu_ps(out + m * kCols + 8, f1[m]);
+  }
+}
+
+// int4 panels take x in int8 per run of 32, as on AVX-512 (qpanel_vnni.h QuadX): the
+// unsigned nibbles times x's int8 values by `vpmaddubsw` (32 products an instruction, summed
+// by pairs into int16), the int16 sums added across the run (8 quads: at most 16 products of
+// 15 x 127 a lane, 30480), and one `vpmaddwd` by ones a run to int32; the widened int16
+// weights of the int8 path took 16 products an instruction, and a widening per 16 weights.
+// SmolLM2's 30 layers, 2 threads, AVX2 forced on Zen 5, interleaved, ms: 1 row 1.8-2.3 ->
+// 1.2, 4 rows 4.4-5.0 -> 3.0, 16 rows 11.8-12.9 -> 7.5-7.8, 32 rows 21.6-23.2 -> 13.5-13.7.
+// xq [M * K] int8, xs [M * K / 32] each run's scale, isum each run's sum of xq; with fsum,
+// each run's float sum (the mins' term).
+template <typename X>
+inline void quantize_runs_int8(const X* x, int64_t n_runs, int8_t* xq, float* xs,
+                               int32_t* isum, float* fsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < n_runs; ++i) {
+    const X* p = x + i * kRun;
+    __m256 v[4];
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t j = 0; j < 4; ++j) {
+      v[j] = load8(p + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    xs[i] = amax / 127.f;
+    if (fsum) fsum[i] = aotllm::vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int64_t j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    isum[i] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+    // packs interleave 128-bit halves (dwords a0-3 b0-3 c0-3 d0-3 a4-7 ...); the permute
+    // puts the values back in order
+    const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kRun), _mm256_permutevar8x32_epi32(b8, order));
+  }
+}
+
+// Quad q (k 4q .. 4q + 3) of an int4 panel as stored (pairs 2q, 2q + 1) or unpacked to quads
+// (unpack_int4_quads): lo = columns 0-7, hi = 8-15, each column's 4 values in one lane.
+template <bool kStored>
+inline void quad_u8(const uint8_t* wp, int64_t q, __m256i& lo, __m256i& hi) {
+  if constexpr (kStored) {
+    // lane 0 pair 2q, lane 1 pair 2q + 1, each column's 2 values a word: the permute puts
+    // columns 0-3 of both pairs in lane 0 (4-7 in lane 1), the shuffle a column's 4 together
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 32));
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                           0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    lo = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_and_si256(y, m4), 0xD8), order);
+    hi = _mm256_shuffle_epi8(
+        _mm256_permute4x64_epi64(_mm256_and_si256(_mm256_srli_epi16(y, 4), m4), 0xD8), order);
+  } else {
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 64));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 64 + 32));
+  }
+}
+
+// out[m][16] = rows m of x (int8 xq [MR, K], xs, isum, fsum [MR, runs]) against int4 panel p.
+template <int64_t MR, bool kStored, bool kSym>
+inline void quad_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int8_t* xq,
+                      const float* xs, const int32_t* isum, const float* fsum, float* out) {
+  const int64_t K = w.K, runs = K / kRun, per_group = w.group / kRun;
+  const at::Half* sp = w.scales + p * kCols * w.groups;
+  const at::Half* mp = w.mins ? w.mins + p * kCols * w.groups : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f0[MR], f1[MR];
+  for (int64_t m = 0; m < MR; ++m) f0[m] = f1[m] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    __m256i a0[MR], a1[MR];
+    for (int64_t m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int64_t q = 0; q < kRun / 4; ++q) {
+      __m256i lo, hi;
+      quad_u8<kStored>(wp, r * kRun / 4 + q, lo, hi);
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256i xb = _mm256_set1_epi32(
+            *reinterpret_cast<const int32_t*>(xq + m * K + r * kRun + 4 * q));
+        a0[m] = _mm256_add_epi16(a0[m], _mm256_maddubs_epi16(lo, xb));
+        a1[m] = _mm256_add_epi16(a1[m], _mm256_maddubs_epi16(hi, xb));
+      }
+    }
+    const int64_t g = r / per_group;
+    const auto* sg = reinterpret_cast<const __m128i*>(sp + g * kCols);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sg)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sg + 1));
+    for (int64_t m = 0; m < MR; ++m) {
+      __m256i c0 = _mm256_madd_epi16(a0[m], ones), c1 = _mm256_madd_epi16(a1[m], ones);
+      if constexpr (kSym) {  // the zero point: (q - 8) x = q x - 8 x
+        const __m256i z = _mm256_set1_epi32(8 * isum[m * runs + r]);
+        c0 = _mm256_sub_epi32(c0, z);
+        c1 = _mm256_sub_epi32(c1, z);
+      }
+      const __m256 xsb = _mm256_broadcast_ss(xs + m * runs + r);
+      f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, xsb), f0[m]);
+      f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, xsb), f1[m]);
+    }
     if (mp) {  // + min x (sum of the run's x), in float as the reference
       const auto* mg = reinterpret_cast<const __m128i*>(mp + g * kCols);
       const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(mg)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(mg + 1));
       for (int64_t m = 0; m < MR; ++m) {
-        const __m256 sb = _mm256_broadcast_ss(xsum + m * runs + r);
+        const __m256 sb = _mm256_broadcast_ss(fsum + m * runs + r);
         f0[m] = _mm256_fmadd_ps(m0, sb, f0[m]);
         f1[m] = _mm256_fmadd_ps(m1, sb, f1[m]);
       }
@@ -150,54 +242,82 @@ inline void panel_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int
   }
 }
 
-template <bool kInt4, bool kSym>
-inline void panel_rows(int64_t mr, const QWeight& w, int64_t p, const uint8_t* wp,
-                       const int16_t* xq, const float* xs, const float* xsum, float* out) {
+template <bool kStored, bool kSym>
+inline void quad_rows(int64_t mr, const QWeight& w, int64_t p, const uint8_t* wp,
+                      const int8_t* xq, const float* xs, const int32_t* isum, const float* fsum,
+                      float* out) {
   switch (mr) {
-    case 3: return panel_pass<3, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
-    case 2: return panel_pass<2, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
-    default: return panel_pass<1, kInt4, kSym>(w, p, wp, xq, xs, xsum, out);
+    case 3: return quad_pass<3, kStored, kSym>(w, p, wp, xq, xs, isum, fsum, out);
+    case 2: return quad_pass<2, kStored, kSym>(w, p, wp, xq, xs, isum, fsum, out);
+    default: return quad_pass<1, kStored, kSym>(w, p, wp, xq, xs, isum, fsum, out);
   }
 }
 
-// x [M, K] bf16 or fp16 -> y [M, N] in x's dtype (or float32: Y), rounded once from the
-// float32 sums.
-template <bool kInt4, bool kSym, typename X, typename Y>
-void gemm_qpanels(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
+// int8 weights: x [M, K] bf16 or fp16 -> y [M, N] in x's dtype (or float32: Y), rounded once
+// from the float32 sums.
+template <typename X, typename Y>
+void gemm_qpanels_int8(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
   thread_local std::vector<int16_t> xq;  // scratch kept between calls
-  thread_local std::vector<float> xs, xsum;
+  thread_local std::vector<float> xs;
   xq.resize(M * K);
   xs.resize(M * runs);
-  xsum.resize(M * runs);
-  quantize_runs_int16(x, M, K, xq.data(), xs.data(), w.mins ? xsum.data() : nullptr);
+  quantize_runs_int16(x, M, K, xq.data(), xs.data(), nullptr);
   // Pointers, not the thread_local vectors: inside the lambda those names are the worker
   // thread's own (empty) vectors.
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
-  const float* xsump = xsum.data();
-  // More rows than one pass: int4 panels unpacked to int8 pairs once, then int8 passes.
-  const bool unpack = kInt4 && M > kRowsQ;
   aotllm::parallel_chunks(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
     float out[kRowsQ * kCols];
-    std::vector<int8_t> buf(unpack ? kCols * K : 0);
-    const auto* bp = reinterpret_cast<const uint8_t*>(buf.data());
     for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* wp = w.q + p * kCols * (kInt4 ? K / 2 : K);
-      if (unpack) unpack_int4_panel<kSym>(wp, K, buf.data());
+      const uint8_t* wp = w.q + p * kCols * K;
       for (int64_t m0 = 0; m0 < M; m0 += kRowsQ) {
         const int64_t mr = std::min(kRowsQ, M - m0);
+        switch (mr) {
+          case 3: panel_pass<3>(w, p, wp, xqp + m0 * K, xsp + m0 * runs, out); break;
+          case 2: panel_pass<2>(w, p, wp, xqp + m0 * K, xsp + m0 * runs, out); break;
+          default: panel_pass<1>(w, p, wp, xqp + m0 * K, xsp + m0 * runs, out);
+        }
+        store_panel(out, bias, p, m0, mr, w.N, y);
+      }
+    }
+  });
+}
+
+// int4 weights, likewise: one pass of rows reads the nibbles as stored; more rows unpack
+// each panel to quads once (the stored nibbles were reordered again for every pass).
+template <bool kSym, typename X, typename Y>
+void gemm_qpanels_int4(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
+  const int64_t K = w.K, runs = K / kRun;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs, fsum;
+  thread_local std::vector<int32_t> isum;
+  xq.resize(M * K);
+  xs.resize(M * runs);
+  isum.resize(M * runs);
+  fsum.resize(w.mins ? M * runs : 0);
+  quantize_runs_int8(x, M * runs, xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr);
+  const int8_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  const int32_t* isp = isum.data();
+  const float* fsp = w.mins ? fsum.data() : nullptr;
+  const bool unpack = M > kRowsQ;
+  aotllm::parallel_chunks(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
+    float out[kRowsQ * kCols];
+    std::vector<uint8_t> buf(unpack ? kCols * K : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* wp = w.q + p * kCols * K / 2;
+      if (unpack) unpack_int4_quads(wp, K, buf.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsQ) {
+        const int64_t mr = std::min(kRowsQ, M - m0);
+        const float* fm = fsp ? fsp + m0 * runs : nullptr;
         if (unpack)
-          panel_rows<false, false>(mr, w, p, bp, xqp + m0 * K, xsp + m0 * runs,
-                                   xsump + m0 * runs, out);
+          quad_rows<false, kSym>(mr, w, p, buf.data(), xqp + m0 * K, xsp + m0 * runs,
+                                 isp + m0 * runs, fm, out);
         else
-          panel_rows<kInt4, kSym>(mr, w, p, wp, xqp + m0 * K, xsp + m0 * runs,
-                                  xsump + m0 * runs, out);
-        for (int64_t m = 0; m < mr; ++m)
-          for (int64_t j = 0; j < kCols; ++j) {
-            const int64_t n = p * kCols + j;
-            y[(m0 + m) * w.N + n] = static_cast<Y>(out[m * kCols + j] + (bias ? bias[n] : 0.f));
-          }
+          quad_rows<true, kSym>(mr, w, p, wp, xqp + m0 * K, xsp + m0 * runs, isp + m0 * runs,
+                                fm, out);
+        store_panel(out, bias, p, m0, mr, w.N, y);
       }
     }
   });
@@ -205,9 +325,9 @@ void gemm_qpanels(const QWeight& w, const X* x, const float* bias, Y* y, int64_t
 
 template <typename X, typename Y>
 void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
-  if (!w.int4) return gemm_qpanels<false, false>(w, x, bias, y, M);
-  if (w.mins) return gemm_qpanels<true, false>(w, x, bias, y, M);
-  return gemm_qpanels<true, true>(w, x, bias, y, M);
+  if (!w.int4) return gemm_qpanels_int8(w, x, bias, y, M);
+  if (w.mins) return gemm_qpanels_int4<false>(w, x, bias, y, M);
+  return gemm_qpanels_int4<true>(w, x, bias, y, M);
 }
 #endif
 

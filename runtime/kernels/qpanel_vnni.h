@@ -9,16 +9,12 @@
 // cores, which left int8_wo and int4_wo engines slower than bf16 ones there (stop 27: served
 // c=1 0.51x and 0.65x of bf16).
 //
-// int8: a pair is 32 bytes, sign-extended to one vector (`vpmovsxbw`). int4: a pair is 16
-// bytes (byte i = value i | value i + 16 << 4, value e = 2j + k % 2): two pairs at a time are
-// zero-extended to words, `and 15` gives columns 0-7 of both pairs and `>> 4` columns 8-15;
-// x is laid out once per call so that lanes 0-7 multiply the first pair and lanes 8-15 the
-// second (PairX4), and the two halves of each sum are added at the end of the run. The
-// symmetric zero point (8) comes off the run's sum as 8 x the run's sum of int16 x.
-// Calls with more rows than an int4 pass takes unpack each int4 panel to int8 pairs once.
+// int8: a pair is 32 bytes, sign-extended to one vector (`vpmovsxbw`), against x's int16
+// values. int4 (16 bytes a pair: byte i = value i | value i + 16 << 4, value e = 2j + k % 2)
+// takes x in int8 instead and `vpdpbusd`, 4 products a lane: see QuadX below.
 //
 // No int32 overflow: a lane sums at most 32 products of |w| <= 128 and |x| <= 32767 a run
-// (2^27), the zero-point correction at most 8 x 32 x 32767 (2^23).
+// (2^27).
 #pragma once
 
 #include "parallel.h"
@@ -29,31 +25,47 @@
 
 namespace aotllm {
 
-// An int4 panel (K / 2 pairs of 16 bytes) as int8 pairs (32 bytes each, the int8 layout):
-// low nibbles are values 0..15 of a pair, high nibbles 16..31; the symmetric zero point
-// (8) subtracted here, so the int8 pass computes the very integer sums the int4 pass does.
-// Done once per panel when a call has more rows than one int4 pass takes: the int4 pass
-// widens the nibbles again for every pass of rows (a 128-token prompt: tens of times).
+constexpr int64_t kPanelCols = 16;  // contract/layout.py PANEL_COLUMNS
+
 #if defined(__AVX2__)
-template <bool kSym>
-inline void unpack_int4_panel(const uint8_t* wp, int64_t K, int8_t* dst) {
-  const __m128i m4 = _mm_set1_epi8(15), zp = _mm_set1_epi8(kSym ? 8 : 0);
-  for (int64_t t = 0; t < K / 2; ++t) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + t * 16));
-    const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m4), zp);
-    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m4), zp);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32), lo);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + t * 32 + 16), hi);
+// An int4 panel as quads: 64 bytes a quad of k (4q .. 4q + 3), column j's 4 values (0..15)
+// in bytes 4j .. 4j + 3, so a pass broadcasts x's 4 int8 values and needs no block sums.
+// Done once per panel when a call has more rows than one pass over the stored nibbles
+// takes (AVX-512's or AVX2's, qpanel_linear.cpp): that pass reorders the nibbles again
+// for every pass of rows (a 128-token prompt: tens of times).
+inline void unpack_int4_quads(const uint8_t* wp, int64_t K, uint8_t* dst) {
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int64_t q = 0; q < K / 4; ++q) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + q * 32));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + q * 32 + 16));
+    const __m128i la = _mm_and_si128(a, m4), lb = _mm_and_si128(b, m4);
+    const __m128i ha = _mm_and_si128(_mm_srli_epi16(a, 4), m4), hb = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    __m128i* o = reinterpret_cast<__m128i*>(dst + q * 64);
+    _mm_storeu_si128(o, _mm_unpacklo_epi16(la, lb));
+    _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(la, lb));
+    _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(ha, hb));
+    _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ha, hb));
   }
 }
+
+// Panel p's float32 sums out [mr, 16] (rows m0 .. m0 + mr - 1) into y, with the bias, in y's dtype.
+template <typename Y>
+inline void store_panel(const float* out, const float* bias, int64_t p, int64_t m0, int64_t mr,
+                        int64_t N, Y* y) {
+  for (int64_t m = 0; m < mr; ++m)
+    for (int64_t j = 0; j < kPanelCols; ++j) {
+      const int64_t n = p * kPanelCols + j;
+      y[(m0 + m) * N + n] = static_cast<Y>(out[m * kPanelCols + j] + (bias ? bias[n] : 0.f));
+    }
+}
+
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int64_t kVCols = 16;   // contract/layout.py PANEL_COLUMNS
+constexpr int64_t kVCols = kPanelCols;
 constexpr int64_t kVRows8 = 8;   // input rows an int8 pass (8 int32 + 8 float accumulators)
-// Input rows an int4 pass (two int32 accumulators a row); more rows unpack the panel to int8
-// pairs once. Two passes of 4 nibbles instead: level at 8 rows, slower at 16 (int4, ms: 8 rows
-// 10.7-11.0 unpacked / 9.8-11.7; 16 rows 15.2-16.1 / 17.3-21.6).
+// Input rows an int4 pass over the nibbles as stored takes (four int32 accumulators a row);
+// more rows unpack the panel to quads once (unpack_int4_quads).
 constexpr int64_t kVRows4 = 4;
 
 // acc + the pairwise products of a and b's int16 values, summed by pairs.
@@ -73,13 +85,13 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One call's inputs: x requantized to int16 per run of 32, as on the AVX2 path.
+// One call's inputs for int8 weights: x requantized to int16 per run of 32, as on the AVX2
+// path.
 struct VnniX {
   const int16_t* xq;    // [M, K]
   const float* xs;      // [M, runs]: each run's scale (its absmax / 32767)
-  const int32_t* isum;  // [M, runs]: each run's sum of int16 x (symmetric int4's zero point)
-  const float* fsum;    // [M, runs]: each run's float sum of x (stored mins); or nullptr
-  const int32_t* xe;    // [M, runs, 128]: int4 passes' x, two pairs a vector (lay_out_x4)
+  const int32_t* isum;  // [M, runs]: each run's sum of int16 x
+  const float* fsum;    // nullptr (int8 weights have no mins)
 };
 
 template <typename X>
@@ -96,20 +108,6 @@ inline void quantize_runs_512(const X* x, int64_t n_runs, int16_t* xq, float* xs
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kRun + 16), _mm512_cvtsepi32_epi16(qb));
     isum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     if (fsum) fsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  }
-}
-
-// xe [M, runs, 8, 16] int32: for each two pairs of k (2d, 2d + 1), x's pair 2d in lanes 0-7 and
-// pair 2d + 1 in lanes 8-15, the lanes of the int4 pass's weight vectors.
-inline void lay_out_x4(const int16_t* xq, int64_t M, int64_t K, int32_t* xe) {
-  alignas(64) int32_t idx[8][16];
-  for (int d = 0; d < 8; ++d)
-    for (int i = 0; i < 16; ++i) idx[d][i] = 2 * d + i / 8;
-  for (int64_t r = 0; r < M * K / kRun; ++r) {
-    const __m512i v = _mm512_loadu_si512(xq + r * kRun);  // the run's 16 pairs as int32
-    for (int d = 0; d < 8; ++d)
-      _mm512_storeu_si512(xe + r * 128 + d * 16,
-                          _mm512_permutexvar_epi32(_mm512_load_si512(idx[d]), v));
   }
 }
 
@@ -140,8 +138,8 @@ inline void prefetch_ahead(const void* run, int64_t bytes) {
 }
 
 // f[m] += the run's int32 sums c of row m, scaled (and the zero points' term); g its group.
-template <int64_t MR>
-inline void scale_run(const QWeight& w, int64_t p, int64_t r, int64_t g, const VnniX& x,
+template <int64_t MR, typename XR>
+inline void scale_run(const QWeight& w, int64_t p, int64_t r, int64_t g, const XR& x,
                       int64_t runs, const __m512i* c, __m512* f) {
   const __m512 s = group_vec(w.scales, p, w.groups, g);
   for (int64_t m = 0; m < MR; ++m)
@@ -154,8 +152,8 @@ inline void scale_run(const QWeight& w, int64_t p, int64_t r, int64_t g, const V
   }
 }
 
-// out [MR, 16] float32: MR rows of x (from row 0 of x's arrays) against panel p as int8
-// pairs at wp (stored int8, or int4 unpacked; kMins: unpacked int4 values 0..15 and mins).
+// out [MR, 16] float32: MR rows of x (from row 0 of x's arrays) against panel p's int8 pairs
+// at wp.
 template <int64_t MR>
 inline void pass_int8(const QWeight& w, int64_t p, const int8_t* wp, const VnniX& x, float* out) {
   const int64_t K = w.K, runs = K / kRun;
@@ -187,44 +185,142 @@ inline void pass_int8(const QWeight& w, int64_t p, const int8_t* wp, const VnniX
   for (int64_t m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * kVCols, f[m]);
 }
 
-// The same for panel p's int4 pairs as stored (16 bytes a pair), two pairs a step.
+// int4 weights take x requantized to int8 per run of 32 (llama.cpp's Q8_0 activations of
+// its Q4_0 dot product): `vpdpbusd` multiplies 64 pairs of unsigned nibbles (0..15) and
+// signed int8 x an instruction into 16 int32 lanes, twice the products of `vpdpwssd` on
+// int16, and the nibbles need no widening past bytes. SmolLM2's 30 layers, 2 threads, Zen 5,
+// interleaved, ms: 1 row 1.74-1.94 -> 1.48, 4 rows 3.3-4.0 -> 2.7, 16 rows 8.5-8.6 -> 5.8-5.9,
+// 32 rows 14.7-14.8 -> 9.0. What it costs: transformers float32 on a Q4_0 checkpoint's
+// weights with every decoder linear's input so rounded, against float32, on the fidelity
+// text: KL 0.0025 (bfloat16's own 0.0014); another 4-bit quantization of the same model is
+// KL 0.28 away. The int4 weights, not x, are an int4 engine's error. int8 weights keep
+// int16 x (their own rounding is as fine as int8 x's).
+//
+// No int32 overflow: a lane sums at most 32 products of 15 x 127 a run; without VNNI,
+// `vpmaddubsw`'s int16 pair sums stay below 2 x 15 x 127.
+struct QuadX {
+  const int8_t* xq;     // [M, K]: x / xs rounded, in [-127, 127]
+  const float* xs;      // [M, runs]: each run's scale (its absmax / 127)
+  const int32_t* isum;  // [M, runs]: each run's sum of int8 x (symmetric int4's zero point)
+  const float* fsum;    // [M, runs]: each run's float sum of x (stored mins); or nullptr
+  const int32_t* xe;    // [M, runs, 2, 16]: the stored-nibble pass's x (lay_out_xe)
+};
+
+template <typename X>
+inline void quantize_runs_i8(const X* x, int64_t n_runs, int8_t* xq, float* xs, int32_t* isum,
+                             float* fsum) {
+  for (int64_t i = 0; i < n_runs; ++i) {
+    const __m512 a = load16(x + i * kRun), b = load16(x + i * kRun + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    xs[i] = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * kRun), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * kRun + 16), _mm512_cvtsepi32_epi8(qb));
+    isum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    if (fsum) fsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+}
+
+// acc + the sums of four products of a's unsigned and b's signed bytes, a lane.
+inline __m512i dot_quads(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b),
+                                                 _mm512_set1_epi16(1)));
+#endif
+}
+
+// The stored nibbles, read 64 bytes (4 pairs of k) at a time: `vpunpck[lh]wd` of the low
+// nibbles of pairs t..t+3 (a) with those of t+4..t+7 (b) puts in each lane one column's 4
+// values (its 2 k of pair t + i, 2 of pair t + 4 + i in 128-bit block i): columns 0-3 (lo)
+// and 4-7 (hi); the high nibbles likewise give columns 8-15. x then needs in block i the 4
+// values of those k (lay_out_xe); the 4 blocks of a column are summed once a run (sum_blocks).
+// xe [M, runs, 2, 16] int32: run r's half s (pairs 8s .. 8s + 7 of the run), block i: x's
+// int8 values at k 16s + 2i, + 1, 16s + 8 + 2i, + 1 of the run, in each of its 4 lanes.
+inline void lay_out_xe(const int8_t* xq, int64_t M, int64_t K, int32_t* xe) {
+  for (int64_t r = 0; r < M * K / kRun; ++r)
+    for (int64_t s = 0; s < 2; ++s)
+      for (int64_t i = 0; i < 4; ++i) {
+        const int8_t* x = xq + r * kRun + 16 * s + 2 * i;
+        int32_t v;
+        const int8_t b[4] = {x[0], x[1], x[8], x[9]};
+        __builtin_memcpy(&v, b, 4);
+        for (int64_t l = 0; l < 4; ++l) xe[r * 32 + s * 16 + i * 4 + l] = v;
+      }
+}
+
+// Columns 0-15 of a run's sums from its four accumulators (columns 0-3, 4-7, 8-11, 12-15,
+// each a partial sum in every 128-bit block).
+inline __m512i sum_blocks(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE));
+  const __m512i cd = _mm512_add_epi32(_mm512_shuffle_i64x2(c, d, 0x44), _mm512_shuffle_i64x2(c, d, 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i64x2(ab, cd, 0x88), _mm512_shuffle_i64x2(ab, cd, 0xDD));
+}
+
+// out [MR, 16] float32: MR rows of x against panel p's int4 pairs as stored (16 bytes a pair).
 template <int64_t MR, bool kSym>
-inline void pass_int4(const QWeight& w, int64_t p, const uint8_t* wp, const VnniX& x, float* out) {
+inline void pass_int4(const QWeight& w, int64_t p, const uint8_t* wp, const QuadX& x, float* out) {
   const int64_t K = w.K, runs = K / kRun;
-  constexpr int64_t U = MR == 1 ? 2 : 1;
-  const __m512i m4 = _mm512_set1_epi16(15);
+  const __m512i m4 = _mm512_set1_epi8(15);
   __m512 f[MR];
   for (int64_t m = 0; m < MR; ++m) f[m] = _mm512_setzero_ps();
   GroupCounter gc(w);
   for (int64_t r = 0; r < runs; ++r, gc.next()) {
-    __m512i lo[U * MR], hi[U * MR];
-    for (int64_t i = 0; i < U * MR; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+    __m512i acc[MR][4];
+    for (int64_t m = 0; m < MR; ++m)
+      for (auto& v : acc[m]) v = _mm512_setzero_si512();
     const uint8_t* wr = wp + r * kRun * kVCols / 2;
     prefetch_ahead(wr, kRun * kVCols / 2);
-    const int32_t* xr = x.xe + r * 128;
-    for (int64_t d = 0; d < 8; d += U) {
+    const int32_t* xr = x.xe + r * 32;
 #pragma GCC unroll 2
-      for (int64_t u = 0; u < U; ++u) {
-        // words: byte b of pair 2d (lanes 0-7 as int32) and of pair 2d + 1 (lanes 8-15)
-        const __m512i b = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (d + u) * 32)));
-        const __m512i l = _mm512_and_si512(b, m4), h = _mm512_srli_epi16(b, 4);
-        for (int64_t m = 0; m < MR; ++m) {
-          const __m512i xv = _mm512_loadu_si512(xr + m * runs * 128 + (d + u) * 16);
-          lo[u * MR + m] = dot_pairs(lo[u * MR + m], l, xv);
-          hi[u * MR + m] = dot_pairs(hi[u * MR + m], h, xv);
-        }
+    for (int64_t s = 0; s < 2; ++s) {
+      const __m512i za = _mm512_loadu_si512(wr + s * 128), zb = _mm512_loadu_si512(wr + s * 128 + 64);
+      const __m512i la = _mm512_and_si512(za, m4), lb = _mm512_and_si512(zb, m4);
+      const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(za, 4), m4);
+      const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(zb, 4), m4);
+      const __m512i wv[4] = {_mm512_unpacklo_epi16(la, lb), _mm512_unpackhi_epi16(la, lb),
+                             _mm512_unpacklo_epi16(ha, hb), _mm512_unpackhi_epi16(ha, hb)};
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xr + m * runs * 32 + s * 16);
+        for (int64_t c = 0; c < 4; ++c) acc[m][c] = dot_quads(acc[m][c], wv[c], xv);
       }
     }
     __m512i c[MR];
     for (int64_t m = 0; m < MR; ++m) {
-      __m512i a = lo[m], b = hi[m];
-      for (int64_t u = 1; u < U; ++u) a = _mm512_add_epi32(a, lo[u * MR + m]), b = _mm512_add_epi32(b, hi[u * MR + m]);
-      // columns 0-7: lanes 0-7 + 8-15 of a; columns 8-15: the same of b
-      c[m] = _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xEE));
+      c[m] = sum_blocks(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
       if constexpr (kSym) c[m] = _mm512_sub_epi32(c[m], _mm512_set1_epi32(8 * x.isum[m * runs + r]));
     }
     scale_run<MR>(w, p, r, gc.g, x, runs, c, f);
+  }
+  for (int64_t m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * kVCols, f[m]);
+}
+
+// out [MR, 16] float32: MR rows of x against an int4 panel unpacked to quads at wq.
+template <int64_t MR, bool kSym>
+inline void pass_quads(const QWeight& w, int64_t p, const uint8_t* wq, const QuadX& x, float* out) {
+  const int64_t K = w.K, runs = K / kRun;
+  __m512 f[MR];
+  for (int64_t m = 0; m < MR; ++m) f[m] = _mm512_setzero_ps();
+  GroupCounter gc(w);
+  for (int64_t r = 0; r < runs; ++r, gc.next()) {
+    __m512i acc[MR];
+    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+    const uint8_t* wr = wq + r * kRun * kVCols;
+    const int8_t* xr = x.xq + r * kRun;
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kRun / 4; ++q) {
+      const __m512i wv = _mm512_loadu_si512(wr + q * 64);
+      for (int64_t m = 0; m < MR; ++m)
+        acc[m] = dot_quads(acc[m], wv, _mm512_set1_epi32(
+            *reinterpret_cast<const int32_t*>(xr + m * K + 4 * q)));
+    }
+    if constexpr (kSym)
+      for (int64_t m = 0; m < MR; ++m)
+        acc[m] = _mm512_sub_epi32(acc[m], _mm512_set1_epi32(8 * x.isum[m * runs + r]));
+    scale_run<MR>(w, p, r, gc.g, x, runs, acc, f);
   }
   for (int64_t m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * kVCols, f[m]);
 }
@@ -245,7 +341,7 @@ inline void pass_int8_any(int64_t mr, const QWeight& w, int64_t p, const int8_t*
 
 template <bool kSym>
 inline void pass_int4_any(int64_t mr, const QWeight& w, int64_t p, const uint8_t* wp,
-                          const VnniX& x, float* out) {
+                          const QuadX& x, float* out) {
   switch (mr) {
     case 1: return pass_int4<1, kSym>(w, p, wp, x, out);
     case 2: return pass_int4<2, kSym>(w, p, wp, x, out);
@@ -254,54 +350,94 @@ inline void pass_int4_any(int64_t mr, const QWeight& w, int64_t p, const uint8_t
   }
 }
 
-// x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32 sums.
+template <bool kSym>
+inline void pass_quads_any(int64_t mr, const QWeight& w, int64_t p, const uint8_t* wq,
+                           const QuadX& x, float* out) {
+  switch (mr) {
+    case 1: return pass_quads<1, kSym>(w, p, wq, x, out);
+    case 2: return pass_quads<2, kSym>(w, p, wq, x, out);
+    case 3: return pass_quads<3, kSym>(w, p, wq, x, out);
+    case 4: return pass_quads<4, kSym>(w, p, wq, x, out);
+    case 5: return pass_quads<5, kSym>(w, p, wq, x, out);
+    case 6: return pass_quads<6, kSym>(w, p, wq, x, out);
+    case 7: return pass_quads<7, kSym>(w, p, wq, x, out);
+    default: return pass_quads<8, kSym>(w, p, wq, x, out);
+  }
+}
+
+// int8 weights: x [M, K] bf16 or fp16 -> y [M, N] in x's dtype, rounded once from the float32
+// sums.
 template <typename X, typename Y>
-void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
+void gemm_int8_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
   thread_local std::vector<int16_t> xq;  // scratch kept between calls
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> isum;
+  xq.resize(M * K);
+  xs.resize(M * runs);
+  isum.resize(M * runs);
+  quantize_runs_512(x, M * runs, xq.data(), xs.data(), isum.data(), nullptr);
+  // Pointers, not the thread_local vectors: inside the lambda those names are the worker
+  // thread's own (empty) vectors.
+  const VnniX vx{xq.data(), xs.data(), isum.data(), nullptr};
+  aotllm::parallel_chunks(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[kVRows8 * kVCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* wp = reinterpret_cast<const int8_t*>(w.q + p * kVCols * K);
+      for (int64_t m0 = 0; m0 < M; m0 += kVRows8) {
+        const int64_t mr = std::min(kVRows8, M - m0);
+        const VnniX xm{vx.xq + m0 * K, vx.xs + m0 * runs, vx.isum + m0 * runs, nullptr};
+        pass_int8_any(mr, w, p, wp, xm, out);
+        store_panel(out, bias, p, m0, mr, w.N, y);
+      }
+    }
+  });
+}
+
+// int4 weights, likewise: up to kVRows4 rows read the nibbles as stored; more rows unpack
+// each panel to quads once.
+template <typename X, typename Y>
+void gemm_int4_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
+  const int64_t K = w.K, runs = K / kRun;
+  thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs, fsum;
   thread_local std::vector<int32_t> isum, xe;
   xq.resize(M * K);
   xs.resize(M * runs);
   isum.resize(M * runs);
   fsum.resize(w.mins ? M * runs : 0);
-  quantize_runs_512(x, M * runs, xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr);
-  // int4 rows in one pass take the nibbles as stored; more rows unpack each panel once.
-  const bool native4 = w.int4 && M <= kVRows4;
-  if (native4) {
-    xe.resize(M * runs * 128);
-    lay_out_x4(xq.data(), M, K, xe.data());
+  quantize_runs_i8(x, M * runs, xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr);
+  const bool stored = M <= kVRows4;
+  if (stored) {
+    xe.resize(M * runs * 32);
+    lay_out_xe(xq.data(), M, K, xe.data());
   }
-  // Pointers, not the thread_local vectors: inside the lambda those names are the worker
-  // thread's own (empty) vectors.
-  const VnniX vx{xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr, xe.data()};
+  const QuadX vx{xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr, xe.data()};
   aotllm::parallel_chunks(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kVRows8 * kVCols];
-    std::vector<int8_t> buf(w.int4 && !native4 ? kVCols * K : 0);
+    std::vector<uint8_t> buf(stored ? 0 : kVCols * K);
     for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* wp = w.q + p * kVCols * (w.int4 ? K / 2 : K);
-      const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
-      if (w.int4 && !native4) {
-        if (w.mins) unpack_int4_panel<false>(wp, K, buf.data());
-        else unpack_int4_panel<true>(wp, K, buf.data());
-        w8 = buf.data();
-      }
-      const int64_t step = native4 ? kVRows4 : kVRows8;
+      const uint8_t* wp = w.q + p * kVCols * K / 2;
+      if (!stored) unpack_int4_quads(wp, K, buf.data());
+      const int64_t step = stored ? kVRows4 : kVRows8;
       for (int64_t m0 = 0; m0 < M; m0 += step) {
         const int64_t mr = std::min(step, M - m0);
-        const VnniX xm{vx.xq + m0 * K, vx.xs + m0 * runs, vx.isum + m0 * runs,
-                       vx.fsum ? vx.fsum + m0 * runs : nullptr, vx.xe + m0 * runs * 128};
-        if (native4 && w.mins) pass_int4_any<false>(mr, w, p, wp, xm, out);
-        else if (native4) pass_int4_any<true>(mr, w, p, wp, xm, out);
-        else pass_int8_any(mr, w, p, w8, xm, out);
-        for (int64_t m = 0; m < mr; ++m)
-          for (int64_t j = 0; j < kVCols; ++j) {
-            const int64_t n = p * kVCols + j;
-            y[(m0 + m) * w.N + n] = static_cast<Y>(out[m * kVCols + j] + (bias ? bias[n] : 0.f));
-          }
+        const QuadX xm{vx.xq + m0 * K, vx.xs + m0 * runs, vx.isum + m0 * runs,
+                       vx.fsum ? vx.fsum + m0 * runs : nullptr, vx.xe + m0 * runs * 32};
+        if (stored && w.mins) pass_int4_any<false>(mr, w, p, wp, xm, out);
+        else if (stored) pass_int4_any<true>(mr, w, p, wp, xm, out);
+        else if (w.mins) pass_quads_any<false>(mr, w, p, buf.data(), xm, out);
+        else pass_quads_any<true>(mr, w, p, buf.data(), xm, out);
+        store_panel(out, bias, p, m0, mr, w.N, y);
       }
     }
   });
+}
+
+template <typename X, typename Y>
+void gemm_qpanels_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
+  if (w.int4) gemm_int4_512(w, x, bias, y, M);
+  else gemm_int8_512(w, x, bias, y, M);
 }
 #endif
 

@@ -59,9 +59,10 @@ def unpack_pairs(p: torch.Tensor) -> torch.Tensor:
 
 
 # Quantized weights (the "panels16q" layout): panels of 16 output columns whose int8 or
-# int4 values are interleaved by pairs of k, what runtime/kernels/quant_pairs.h reads:
-# `vpmaddwd` multiplies a pair of a column's weights by a broadcast pair of x's int16
-# values, 8 columns a vector. Shapes, dtypes and sizes stay those of the row-major tensors
+# int4 values are interleaved by pairs of k, what runtime/kernels/qpanel_linear.cpp reads:
+# `vpmaddwd` multiplies a pair of a column's int8 weights by a broadcast pair of x's int16
+# values, 8 columns a vector; two pairs of int4 values make a column's quad for `vpmaddubsw`
+# or `vpdpbusd` against x's int8 values (qpanel_vnni.h). Shapes, dtypes and sizes stay those of the row-major tensors
 # (contract/quant.py layout 1), only the order changes:
 #   int8  q [N, K]: panel p, pair t = k // 2: 32 bytes at (16p * K / 2 + 16t) * 2, byte
 #         2j + k % 2 holds column 16p + j.

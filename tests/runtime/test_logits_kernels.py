@@ -17,6 +17,7 @@ from runtime import kernels
 from runtime.host import host_cpu_target
 from runtime.models.panels import pack_pairs, pack_panels, pack_qpanels
 from runtime.quant import dequantize_packed, quantize
+from tests.runtime.test_qpanel_kernels import int4_reference, sees_int8_x
 
 ROWS = (1, 3, 4, 5, 16, 17, 67)  # decode rows, passes of 4 and a short one, batches, prompts
 
@@ -76,9 +77,11 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
     qt = quantize(torch.randn(n, k) / k**0.5, spec)
     p = qt.packed()
     q, s, m = p["qweight"], p["scales"], p.get("mins")
-    # the weights as each kernel sees them: the row-major kernels round the dequantized weights
-    # to the model dtype as the eager reference does; the pair-panel passes keep scale * q exact
-    w = dequantize_packed(q, s, m, qt.group, torch.float32 if layout == "pairs" else dtype).float()
+    # the weights as each kernel sees them: the row-major kernels of AVX512-BF16 targets round
+    # the dequantized weights to the model dtype (`vdpbf16ps`), as the eager reference does;
+    # those of AVX2 / AVX-512 targets and the pair-panel passes keep scale * q exact
+    rounds = layout == "rows" and host_cpu_target().isa in ("avx512_bf16", "amx")
+    w = dequantize_packed(q, s, m, qt.group, dtype if rounds else torch.float32).float()
     a = torch.ops.aotllm
     if layout == "pairs":
         pq, ps, pm = pack_qpanels(q, s, m)
@@ -92,11 +95,13 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
             return a.linear_int4(x, q, s, m, None, qt.group, f)
     for rows in ROWS:
         x = (4 * torch.randn(rows, k)).to(dtype)
-        want = torch.nn.functional.linear(x.float(), w)
+        int8_x = layout == "pairs" and sees_int8_x(spec, dtype, rows, float_out=True)
+        want = int4_reference(x, w, m, qt.group, int8_x)
         got = op(x, True)
         assert got.dtype == torch.float32
         # the pair-panel passes requantize x to int16 per run of 32 (2^-16 of its largest |x|,
-        # times the mins' sums with a zero point): 1e-4 of the range, a bf16 rounding 4e-3
+        # times the mins' sums with a zero point): 1e-4 of the range, a bf16 rounding 4e-3;
+        # where they take int8 x, the reference rounds x as they do
         torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
         assert not torch.equal(got, got.to(dtype).float()), "float_out came back rounded"
         assert op(x, False).dtype == dtype

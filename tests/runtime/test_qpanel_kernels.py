@@ -39,6 +39,44 @@ def test_pair_panels_hold_the_same_numbers_in_another_order(spec: QuantSpec) -> 
     assert (um is None) == (m is None) and (m is None or torch.equal(um, m))
 
 
+def int8_runs(x: torch.Tensor) -> torch.Tensor:
+    """x as the int4 passes see it (qpanel_vnni.h quantize_runs_i8, qpanel_linear.cpp
+    quantize_runs_int8): each run of 32 rounded to int8 steps of its largest |x| / 127, in
+    float32."""
+    runs = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    # 127 / amax divided as the kernel divides (a scalar over a tensor is a reciprocal times
+    # the scalar in torch, one rounding more: a near-tie then rounds the other way)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(runs * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def sees_int8_x(spec: QuantSpec, dtype: torch.dtype, rows: int, float_out: bool = False) -> bool:
+    """Whether linear_qpanel requantizes x to int8 for this call on this host: int4 weights,
+    16-bit x, the integer passes of AVX2 and AVX-512. Not: float32 x and baseline targets
+    (W dequantized), AMX hosts' bf16 batches of 8 rows and more (bf16 tiles), AVX512-BF16
+    hosts' bf16 prompts over 48 rows (W dequantized for oneDNN)."""
+    isa = host_cpu_target().isa
+    if spec.kind != "int4" or dtype == torch.float32 or isa == "baseline":
+        return False
+    bf16 = dtype == torch.bfloat16
+    if isa == "amx" and bf16 and rows >= 8:
+        return False
+    return not (isa in ("avx512_bf16", "amx") and bf16 and rows > 48 and not float_out)
+
+
+def int4_reference(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor | None, group: int,
+                   int8_x: bool) -> torch.Tensor:
+    """x W^T in float32 as the pair-panel passes compute it: with int8 x, the integer part
+    (W less its mins) against x rounded as they round it, the mins' part (min x the run's
+    sum of x) against x as given."""
+    if not int8_x:
+        return torch.nn.functional.linear(x.float(), w)
+    m = torch.zeros_like(w) if mins is None else \
+        mins.float().repeat_interleave(group, dim=1)[:, : w.shape[1]]
+    return torch.nn.functional.linear(int8_runs(x), w - m) + torch.nn.functional.linear(x.float(), m)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k", "bias"), [(960, 576, False), (80, 160, True), (48, 1536, True)])
@@ -57,10 +95,13 @@ def test_pair_panel_linear_matches_the_reference(lib: Path, spec: QuantSpec, dty
         x[:, ::97] *= 50  # outlier features stretch each run's int16 scale
         x = x.to(dtype)
         got = torch.ops.aotllm.linear_qpanel(x, q, s, m, b, qt.group)
-        want = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+        want = int4_reference(x, w, p.get("mins"), qt.group, sees_int8_x(spec, dtype, rows))
+        if b is not None:
+            want = want + b.float()
         assert got.dtype == dtype and got.shape == (rows, n)
         # float32: the same products in another order; 16-bit: the output's one rounding
-        # (the int16 requantization of x is 2^-16 of a run's largest |x|, far below it).
+        # (the int16 requantization of x is 2^-16 of a run's largest |x|, far below it; the
+        # int8 one is in the reference).
         tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
         torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
     x3 = torch.randn(2, 3, k).to(dtype)  # leading dimensions are rows too
