@@ -188,6 +188,25 @@ inline void quad_u8(const uint8_t* wp, int64_t q, __m256i& lo, __m256i& hi) {
   }
 }
 
+// An int4 panel as quads: 64 bytes a quad of k (4q .. 4q + 3), column j's 4 values (0..15)
+// in bytes 4j .. 4j + 3, what quad_u8 makes of the stored nibbles. Done once per panel when
+// a call has more rows than one pass takes: a pass over the stored nibbles reorders them
+// again for every 3 rows (a 128-token prompt: tens of times).
+inline void unpack_int4_quads(const uint8_t* wp, int64_t K, uint8_t* dst) {
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int64_t q = 0; q < K / 4; ++q) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + q * 32));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + q * 32 + 16));
+    const __m128i la = _mm_and_si128(a, m4), lb = _mm_and_si128(b, m4);
+    const __m128i ha = _mm_and_si128(_mm_srli_epi16(a, 4), m4), hb = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    __m128i* o = reinterpret_cast<__m128i*>(dst + q * 64);
+    _mm_storeu_si128(o, _mm_unpacklo_epi16(la, lb));
+    _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(la, lb));
+    _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(ha, hb));
+    _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ha, hb));
+  }
+}
+
 // out[m][16] = rows m of x (int8 xq [MR, K], xs, isum, fsum [MR, runs]) against int4 panel p.
 template <int64_t MR, bool kStored, bool kSym>
 inline void quad_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int8_t* xq,

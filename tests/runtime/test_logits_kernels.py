@@ -77,10 +77,10 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
     qt = quantize(torch.randn(n, k) / k**0.5, spec)
     p = qt.packed()
     q, s, m = p["qweight"], p["scales"], p.get("mins")
-    # the weights as each kernel sees them: the row-major kernels of AVX512-BF16 targets round
-    # the dequantized weights to the model dtype (`vdpbf16ps`), as the eager reference does;
-    # those of AVX2 / AVX-512 targets and the pair-panel passes keep scale * q exact
-    rounds = layout == "rows" and host_cpu_target().isa in ("avx512_bf16", "amx")
+    # the weights as each kernel sees them: the row-major kernels round the dequantized
+    # weights to the model dtype as the eager reference does, but for AVX2's float32 GEMV
+    # and panels; the pair-panel passes keep scale * q exact
+    rounds = layout == "rows" and host_cpu_target().isa != "avx2"
     w = dequantize_packed(q, s, m, qt.group, dtype if rounds else torch.float32).float()
     a = torch.ops.aotllm
     if layout == "pairs":
