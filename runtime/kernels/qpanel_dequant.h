@@ -1,5 +1,5 @@
 // Pair panels dequantized to bf16, a run at a time: the B tiles of AMX (qpanel_amx.h), and
-// W^T [K, N] for oneDNN's GEMM, the prompts of AVX512-BF16 targets without AMX
+// W^T [K, N] for oneDNN's GEMM, the prompts of AMX targets where AMX is not granted
 // (qpanel_linear.cpp kVnniMaxRows).
 #pragma once
 

@@ -1,8 +1,9 @@
 // y = x W^T (+ b) with W quantized and stored at build time in pair panels: the "panels16q"
 // layouts of AVX2 targets and "rowsqh" of AVX512-BF16 ones (contract/layout.py;
 // runtime/models/panels.py pack_qpanels writes it). This file is the AVX2 kernel and the op;
-// AVX-512 targets run qpanel_vnni.h, and bf16 batches qpanel_amx.h where AMX is (without it,
-// bf16 prompts beyond kVnniMaxRows rows dequantize W once for oneDNN's GEMM). Panels of 16
+// AVX-512 targets run qpanel_vnni.h, and bf16 batches qpanel_amx.h where AMX is (where AMX
+// is built for but not granted, bf16 prompts beyond kVnniMaxRows rows dequantize W once for
+// oneDNN's GEMM). Panels of 16
 // output columns, K-major, each column's weights interleaved by pairs of k: one 32-byte row
 // (int8; 16 bytes for int4) holds a pair of k for all 16 columns.
 //
@@ -56,9 +57,13 @@ using namespace aotllm;  // NOLINT: QWeight, half_to_float, quantize_runs_int16
 
 constexpr int64_t kCols = 16;  // contract/layout.py PANEL_COLUMNS
 // Input rows up to which the AVX-512 integer passes (qpanel_vnni.h) beat dequantizing W
-// to bf16 for oneDNN's GEMM. Measured (SmolLM2's 30 layers, int8 / int4 g32, 2 threads, Xeon
-// with AMX, ms, two rounds): 32 rows 23-25 against 33-37, 48 rows 33 against 35-40, 64 rows
-// 42-44 against 39-43, 128 rows 76-84 against 45-48.
+// to bf16 for oneDNN's GEMM on AMX hosts, where oneDNN takes AMX tiles. Measured (SmolLM2's
+// 30 layers, int8 / int4 g32, 2 threads, Xeon with AMX, int16 x, ms, two rounds): 32 rows
+// 23-25 against 33-37, 48 rows 33 against 35-40, 64 rows 42-44 against 39-43, 128 rows 76-84
+// against 45-48. Without AMX, oneDNN's bf16 GEMM loses to the integer passes at every row
+// count (Zen 5, AVX512-BF16, int4 with int8 x, two rounds: 64 rows 14.1-16.0 against
+// 26-50, 128 rows 28.5-30.6 against 39-65, 256 rows 56-59 against 67-90; int8 128 rows 47
+// against 62-64): no dequantized copy there.
 constexpr int64_t kVnniMaxRows = 48;
 // Input rows from which AMX (qpanel_amx.h, dequantizing each weight once a call) beats the
 // VNNI passes. Measured (same 30 layers, ms, AMX / VNNI, two rounds): int8 8 rows 12.2-12.4 /
@@ -400,10 +405,8 @@ at::Tensor linear_qpanel(const at::Tensor& x, const at::Tensor& q, const at::Ten
       else gemm_qpanels_amx(w, xc.data_ptr<at::BFloat16>(), bp, y.data_ptr<at::BFloat16>(), M);
       return y;
     }
-#endif
-#if defined(__AVX512BF16__)
-    // Prompts: dequantize once, oneDNN's GEMM (bf16 out only; float32 logits rows of a
-    // prompt take the integer passes below).
+    // AMX not granted to this process: prompts dequantize once for oneDNN's GEMM (bf16 out
+    // only; float32 logits rows of a prompt take the integer passes below).
     if (M > kVnniMaxRows && dt == at::kBFloat16 && !float_out) {
       at::Tensor wt = at::empty({K, N}, x.options());
       dequant_qpanels_kn(w, wt.data_ptr<at::BFloat16>());

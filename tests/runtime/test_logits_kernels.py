@@ -95,7 +95,7 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
             return a.linear_int4(x, q, s, m, None, qt.group, f)
     for rows in ROWS:
         x = (4 * torch.randn(rows, k)).to(dtype)
-        int8_x = layout == "pairs" and sees_int8_x(spec, dtype, rows, float_out=True)
+        int8_x = layout == "pairs" and sees_int8_x(spec, dtype, rows)
         want = int4_reference(x, w, m, qt.group, int8_x)
         got = op(x, True)
         assert got.dtype == torch.float32

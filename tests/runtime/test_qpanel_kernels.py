@@ -51,18 +51,14 @@ def int8_runs(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(runs * inv) * (amax / 127.0)).reshape(x.shape)
 
 
-def sees_int8_x(spec: QuantSpec, dtype: torch.dtype, rows: int, float_out: bool = False) -> bool:
+def sees_int8_x(spec: QuantSpec, dtype: torch.dtype, rows: int) -> bool:
     """Whether linear_qpanel requantizes x to int8 for this call on this host: int4 weights,
     16-bit x, the integer passes of AVX2 and AVX-512. Not: float32 x and baseline targets
-    (W dequantized), AMX hosts' bf16 batches of 8 rows and more (bf16 tiles), AVX512-BF16
-    hosts' bf16 prompts over 48 rows (W dequantized for oneDNN)."""
+    (W dequantized), AMX hosts' bf16 batches of 8 rows and more (bf16 tiles)."""
     isa = host_cpu_target().isa
     if spec.kind != "int4" or dtype == torch.float32 or isa == "baseline":
         return False
-    bf16 = dtype == torch.bfloat16
-    if isa == "amx" and bf16 and rows >= 8:
-        return False
-    return not (isa in ("avx512_bf16", "amx") and bf16 and rows > 48 and not float_out)
+    return not (isa == "amx" and dtype == torch.bfloat16 and rows >= 8)
 
 
 def int4_reference(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor | None, group: int,
