@@ -25,9 +25,13 @@ Contention is also seen directly: a window of steps whose stepping thread waited
 `wait_share` of its time on a run queue (runtime/runqueue.py) halves a team at once, with
 no probe, and makes a probe up lose.
 
-Only decode steps (no prompt tokens) are measured: their cost per token is comparable from
-step to step; a prompt chunk's is not. Plain data, no torch: the engine loop applies the
-count (runtime/executors/loop.py).
+Only decode steps (no prompt tokens) are compared by rate: their cost per token is
+comparable from step to step; a prompt chunk's is not. The run-queue rule takes every step,
+prompt chunks too: a share of time waited is a share whatever the step computed, and a
+burst of new requests beside a busy neighbour is all prompt steps (AIPerf: its timing
+service took a core at 100 % as its profiling phase began, and four 158-token prompts took
+2.3-4.8 s to their first token at two threads, unseen). Plain data, no torch: the engine
+loop applies the count (runtime/executors/loop.py).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class ThreadPolicy:
     probes: int = field(init=False, default=0)
     switches: int = field(init=False, default=0)
     contended: int = field(init=False, default=0)  # switches down on run-queue waits
-    waited_s: float = field(init=False, default=0.0)  # run-queue seconds of decode steps
+    waited_s: float = field(init=False, default=0.0)  # run-queue seconds of all steps
     _candidate: int = field(init=False, default=0)
     _period: float = field(init=False, default=0.0)
     _since: float = field(init=False, default=0.0)  # decode seconds since the last probe
@@ -74,6 +78,9 @@ class ThreadPolicy:
     # least `window_s` and `min_steps` of them once there are that many.
     _recent: deque[Step] = field(init=False, default_factory=deque)
     _arm: list[Step] = field(init=False, default_factory=list)
+    # The current count's latest steps of any kind, prompt chunks too: the run-queue rule's
+    # window.
+    _any: deque[Step] = field(init=False, default_factory=deque)
     # The fastest step seen per token count since the last decision, and how many steps
     # in a row have taken `give_up` times that: a change (a neighbour, a spent quota).
     _fastest: dict[int, float] = field(init=False, default_factory=dict)
@@ -126,8 +133,10 @@ class ThreadPolicy:
         return (seconds >= self.window_s
                 and sum(w for _, _, w in steps) >= self.wait_share * seconds)
 
-    def _keep(self, step: Step) -> None:
-        recent = self._recent
+    def _keep(self, step: Step, recent: deque[Step] | None = None) -> None:
+        """`step` onto `recent` (the current count's decode steps by default), which keeps a
+        window's time and `min_steps` of them."""
+        recent = self._recent if recent is None else recent
         recent.append(step)
         while (len(recent) > self.min_steps
                and sum(s for s, _, _ in recent) - recent[0][0] >= self.window_s):
@@ -140,6 +149,7 @@ class ThreadPolicy:
         self.switches += 1
         self._period = self.period_s
         self._recent = recent
+        self._any = deque(recent)
 
     def _decided(self) -> None:
         self.phase, self._since = "run", 0.0
@@ -147,15 +157,24 @@ class ThreadPolicy:
 
     def record(self, seconds: float, tokens: int, decode: bool, waited: float = 0.0) -> None:
         """One step's seconds and tokens computed, and the seconds the stepping thread
-        waited on a run queue meanwhile; only decode steps count."""
-        if not decode or tokens < 1 or self.most < 2:
+        waited on a run queue meanwhile; decode steps are compared by rate, every step
+        counts for the run-queue rule."""
+        if tokens < 1 or self.most < 2:
             return
         self.waited_s += waited
         step = (seconds, tokens, min(waited, seconds))
         if self.phase == "run":
+            self._keep(step, self._any)
+        if not decode:
+            if self.phase == "run" and self.current > 1 and self._waiting(self._any):
+                self._switch(self.current // 2, deque())
+                self.contended += 1
+                self._decided()
+            return
+        if self.phase == "run":
             self._keep(step)
             self._since += seconds
-            if self.current > 1 and self._waiting(self._recent):
+            if self.current > 1 and self._waiting(self._any):
                 # The team waits for its own threads: the cores are not all ours (a
                 # neighbour, a spent quota). Fewer threads now, no probe: a probe's windows
                 # compare rates that a contention coming and going (AIPerf's) makes noise

@@ -153,13 +153,30 @@ def test_within_the_margin_the_current_count_stays() -> None:
     assert p.current == 2 and p.switches == 0
 
 
-def test_prompt_steps_and_one_thread_plans_are_not_measured() -> None:
+def test_prompt_steps_are_not_compared_and_one_thread_plans_are_not_measured() -> None:
     p = ThreadPolicy(2)
     for _ in range(1000):
         p.record(1.0, 128, decode=False)
-    assert p.phase == "run" and p.probes == 0
+    assert p.phase == "run" and p.probes == 0 and p.current == 2
     one = ThreadPolicy(1)
     assert drive(one, lambda n: 1.0, 100.0) == [1] * 100 and one.probes == 0
+
+
+def test_prompt_steps_that_wait_on_the_run_queue_give_way() -> None:
+    # New requests arrive as a busy neighbour takes a core (AIPerf's profiling phase): the
+    # steps are prompt chunks, whose rates are not compared, but a third of each waited on
+    # the run queue: the team halves within a window, before any decode step.
+    p = ThreadPolicy(2, sees_waits=True)
+    seconds = 0.0
+    while p.current == 2 and seconds < 5.0:
+        p.record(0.3, 128, decode=False, waited=0.1)
+        seconds += 0.3
+    assert p.current == 1 and p.contended == 1 and seconds <= 0.6
+    # and waits of a few per cent on prompt steps leave the team as it is
+    q = ThreadPolicy(2, sees_waits=True)
+    for _ in range(100):
+        q.record(0.3, 128, decode=False, waited=0.01)
+    assert q.current == 2 and q.contended == 0 and q.waited_s == pytest.approx(1.0)
 
 
 def test_bad_settings_are_refused() -> None:
