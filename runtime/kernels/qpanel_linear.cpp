@@ -144,19 +144,10 @@ inline void panel_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int
 template <typename X>
 inline void quantize_runs_int8(const X* x, int64_t n_runs, int8_t* xq, float* xs,
                                int32_t* isum, float* fsum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < n_runs; ++i) {
-    const X* p = x + i * kRun;
     __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int64_t j = 0; j < 4; ++j) {
-      v[j] = load8(p + 8 * j);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float amax = load_run(x + i * kRun, v);
     xs[i] = amax / 127.f;
     if (fsum) fsum[i] = aotllm::vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -313,18 +304,15 @@ void gemm_qpanels_int8(const QWeight& w, const X* x, const float* bias, Y* y, in
 template <bool kSym, typename X, typename Y>
 void gemm_qpanels_int4(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs, fsum;
-  thread_local std::vector<int32_t> isum;
-  xq.resize(M * K);
-  xs.resize(M * runs);
-  isum.resize(M * runs);
-  fsum.resize(w.mins ? M * runs : 0);
-  quantize_runs_int8(x, M * runs, xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr);
-  const int8_t* xqp = xq.data();
-  const float* xsp = xs.data();
-  const int32_t* isp = isum.data();
-  const float* fsp = w.mins ? fsum.data() : nullptr;
+  thread_local Int8Runs xr;  // scratch kept between calls
+  xr.resize(w, M);
+  quantize_runs_int8(x, M * runs, xr.xq.data(), xr.xs.data(), xr.isum.data(), xr.fsum_or_null());
+  // Pointers, not the thread_local scratch: inside the lambda that name is the worker
+  // thread's own (empty) one.
+  const int8_t* xqp = xr.xq.data();
+  const float* xsp = xr.xs.data();
+  const int32_t* isp = xr.isum.data();
+  const float* fsp = xr.fsum_or_null();
   const bool unpack = M > kRowsQ;
   aotllm::parallel_chunks(0, w.N / kCols, 1, [&](int64_t begin, int64_t end) {
     float out[kRowsQ * kCols];

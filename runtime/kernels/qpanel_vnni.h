@@ -28,6 +28,22 @@ namespace aotllm {
 constexpr int64_t kPanelCols = 16;  // contract/layout.py PANEL_COLUMNS
 
 #if defined(__AVX2__)
+// A call's x requantized to int8 per run of 32 (the int4 passes of AVX-512 and AVX2): the
+// values, each run's scale, sum of the int8 values and, for weights with mins, float sum.
+struct Int8Runs {
+  std::vector<int8_t> xq;
+  std::vector<float> xs, fsum;
+  std::vector<int32_t> isum;
+  void resize(const QWeight& w, int64_t M) {
+    const int64_t runs = w.K / kRun;
+    xq.resize(M * w.K);
+    xs.resize(M * runs);
+    isum.resize(M * runs);
+    fsum.resize(w.mins ? M * runs : 0);
+  }
+  float* fsum_or_null() { return fsum.empty() ? nullptr : fsum.data(); }
+};
+
 // Panel p's float32 sums out [mr, 16] (rows m0 .. m0 + mr - 1) into y, with the bias, in y's dtype.
 template <typename Y>
 inline void store_panel(const float* out, const float* bias, int64_t p, int64_t m0, int64_t mr,
@@ -338,15 +354,10 @@ void gemm_int8_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_
 template <typename X, typename Y>
 void gemm_int4_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs, fsum;
-  thread_local std::vector<int32_t> isum;
-  xq.resize(M * K);
-  xs.resize(M * runs);
-  isum.resize(M * runs);
-  fsum.resize(w.mins ? M * runs : 0);
-  quantize_runs_i8(x, M * runs, xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr);
-  const QuadX vx{xq.data(), xs.data(), isum.data(), w.mins ? fsum.data() : nullptr};
+  thread_local Int8Runs xr;  // scratch kept between calls
+  xr.resize(w, M);
+  quantize_runs_i8(x, M * runs, xr.xq.data(), xr.xs.data(), xr.isum.data(), xr.fsum_or_null());
+  const QuadX vx{xr.xq.data(), xr.xs.data(), xr.isum.data(), xr.fsum_or_null()};
   aotllm::parallel_chunks(0, w.N / kVCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kVRows8 * kVCols];
     for (int64_t p = begin; p < end; ++p) {

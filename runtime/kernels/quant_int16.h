@@ -45,23 +45,28 @@ inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// The run of 32 values at p as four float32 vectors v; returns their largest |x|.
+template <typename X>
+inline float load_run(const X* p, __m256 v[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t j = 0; j < 4; ++j) {
+    v[j] = load8(p + 8 * j);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
 // xq [M * K] int16, xs [M * K / 32] each run's scale; with `rsum`, each run's float sum
 // (for the int4 zero points).
 template <typename X>
 inline void quantize_runs_int16(const X* x, int64_t M, int64_t K, int16_t* xq, float* xs,
                                 float* rsum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < M * K / kRun; ++i) {
-    const X* p = x + i * kRun;
     __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int64_t j = 0; j < 4; ++j) {
-      v[j] = load8(p + 8 * j);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float amax = load_run(x + i * kRun, v);
     xs[i] = amax / 32767.f;
     if (rsum) rsum[i] = aotllm::vsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
