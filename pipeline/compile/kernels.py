@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,6 +51,17 @@ def compile_flags(target: Target) -> list[str]:
             *(f"-I{p}" for p in cpp_extension.include_paths())]
 
 
+def compiler_errors(stderr: str, limit: int = 1500) -> str:
+    """The compiler's error lines (gcc: `file:line:col: error: ...`, an internal compiler
+    error, a linker's), in order, on one line: torch's headers bring pages of warnings,
+    and the tail of the output held those rather than the error that failed the build.
+    Without an error line, the output's tail."""
+    lines = [ln.strip() for ln in stderr.splitlines()]
+    errors = [ln for ln in lines if re.search(r"\b(error|Error)\b", ln)]
+    text = " | ".join(errors) if errors else " ".join(stderr.split())[-limit:]
+    return text[:limit]
+
+
 def build_kernels(target: Target, progress: Progress | None = None) -> Path:
     """The kernels library for `target` (compiled, or taken from the cache)."""
     cxx = _compiler()
@@ -72,8 +84,7 @@ def build_kernels(target: Target, progress: Progress | None = None) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        tail = " ".join(proc.stderr.strip().split())[-1500:]
-        raise BuildError(f"compiling the engine's kernels failed: {tail}",
+        raise BuildError(f"compiling the engine's kernels failed: {compiler_errors(proc.stderr)}",
                          "check the C++ compiler, or build with --backend eager",
                          exit_code=EXIT_FAILURE)
     os.replace(tmp, lib)  # atomic: a concurrent build sees the whole library or none

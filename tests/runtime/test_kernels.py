@@ -300,3 +300,24 @@ def test_a_sliding_window_is_honoured_and_the_blocks_before_it_are_not_read(
                                     vc.float().nan_to_num(), tables[p:p + 1], pos[p, r:r + 1] + 1,
                                     0.2, window)
             torch.testing.assert_close(gotp[p, r].float().reshape(1, hq * d), want, atol=tol, rtol=tol)
+
+
+def test_a_failed_kernel_compile_names_the_error_not_the_warnings(tmp_path: Path) -> None:
+    # A real g++ run over torch's headers (pages of warnings at -std=c++17) and one broken line.
+    from torch.utils import cpp_extension
+
+    from contract.target import Target
+    from pipeline.compile.kernels import _compiler, compile_flags, compiler_errors
+
+    src = tmp_path / "broken.cpp"
+    src.write_text("#include <ATen/ATen.h>\nint f() { return undeclared_name_here; }\n")
+    flags = [f for f in compile_flags(Target(device="cpu", arch="x86_64", isa="avx2"))
+             if f != "-shared"]
+    proc = subprocess.run([_compiler(), *flags, "-Wall", "-c", str(src), "-o",
+                           str(tmp_path / "broken.o")], capture_output=True, text=True)
+    assert proc.returncode != 0 and cpp_extension.include_paths()
+    said = compiler_errors(proc.stderr)
+    assert "undeclared_name_here" in said and "error" in said and len(said) <= 1500
+    assert compiler_errors("ld: cannot find -lfoo\ncollect2: error: ld returned 1") == (
+        "collect2: error: ld returned 1")
+    assert compiler_errors("no marker at all " * 200).endswith("no marker at all")

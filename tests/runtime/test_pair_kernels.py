@@ -45,9 +45,10 @@ def test_pair_linear_matches_f_linear(lib: Path, dtype: torch.dtype, n: int, k: 
     w = (torch.randn(n, k) / k**0.5).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
     wp = pack_pairs(w)
-    # 1-5 rows: the dot-product passes (4 rows a pass and a short one); 17 pads a tile of
-    # rows, 64 fills four, 80 takes two groups of tiles (AMX)
-    for rows in (1, 2, 3, 4, 5, 17, 64, 80):
+    # vdpbf16ps: 1-8 rows one pass, 9 and 12 two even passes, 16 two of 8 (the second
+    # prefetching the next panel pair), 17 three; 48 columns end on a single panel. AMX: 17
+    # pads a tile of rows, 64 fills four, 80 takes two groups of tiles
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 64, 80):
         x = torch.randn(rows, k).to(dtype)
         got = torch.ops.aotllm.linear_pairs(x, wp, b)
         want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
