@@ -23,8 +23,28 @@ def cache_dir() -> Path:
     return cache_root() / "peers"
 
 
+def forced_isa() -> str | None:
+    """The ISA level below the host's own that AOTLLM_CPU_ISA holds this run to, or None.
+
+    `AOTLLM_CPU_ISA=avx2 python -m bench.run ...` measures that level on a richer host: our
+    engines are built for it and served under it (runtime/host.py), and llama-server is the
+    build for it (`bash bench/peers.sh llama-avx2`), so both sides run the same ISA."""
+    from contract.target import cpu_isa_level
+    from runtime.host import cpu_flags, host_cpu_target
+
+    level = host_cpu_target().isa
+    return level if level != cpu_isa_level(cpu_flags()) else None
+
+
+def llama_peer() -> str:
+    """The peers.sh step (and status name) of the llama-server this run serves."""
+    level = forced_isa()
+    return f"llama-{level}" if level else "llama"
+
+
 def llama_server_bin() -> Path:
-    return cache_dir() / "llama-build" / "bin" / "llama-server"
+    """llama-server for the run's ISA level: the native build, or llama-build-LEVEL."""
+    return cache_dir() / llama_peer().replace("llama", "llama-build", 1) / "bin" / "llama-server"
 
 
 def vllm_python() -> Path:
@@ -104,6 +124,8 @@ def machine_info() -> dict[str, str]:
         "memory": mem,
         "kernel": platform.release(),
         "python": sys.version.split()[0],
+        "ISA level": (f"{forced_isa()} (forced by AOTLLM_CPU_ISA; llama-server built for it)"
+                      if forced_isa() else "the host's own (native builds)"),
     }
 
 

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             res["notes"].append(f"TP={tp} engine build failed: {str(exc)[:300]}")
     if not common.llama_server_bin().exists():
-        res["notes"].append(f"llama-server missing: {common.peer_status('llama')}")
+        res["notes"].append(f"llama-server missing: {common.peer_status(common.llama_peer())}")
     try:
         peer = common.llama_server_bin().exists() or "llama" in args.skip_side
         if "agreement" not in args.skip and engines and peer:

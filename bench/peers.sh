@@ -6,6 +6,7 @@
 #   CACHE=${AOT_LLM_CACHE:-~/.cache/aot-llm}/peers
 #     llama-cpp-python-0.3.36/            unpacked sdist (vendor/llama.cpp is built)
 #     llama-build/bin/llama-server        the server binary
+#     llama-build-avx2/, -avx512/         llama-server for a forced lower ISA level
 #     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
 #     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
 #     gguf/<model>-Q8_0.gguf, -Q4_0.gguf  llama-quantize's quantizations of it
@@ -14,7 +15,8 @@
 #     aiperf-venv/                        NVIDIA AIPerf 0.13.0 (the field's load generator)
 #     status/*.txt                        one line per peer: ok / failed and why
 #
-# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf|gemma3]   (default all)
+# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf|gemma3|llama-avx2|llama-avx512]
+#        (default all; the llama-LEVEL builds are not part of all)
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,6 +71,33 @@ step_llama() {
     fi
   done
   record llama "ok $LLAMA_VERSION $BUILD/bin/llama-server"
+}
+
+# llama-server built for a lower ISA level than the host's (`bench.run --isa LEVEL` serves
+# it beside our engines built and served at that level with AOTLLM_CPU_ISA): avx2 is
+# x86-64-v3 (AVX2, FMA, F16C, BMI2), avx512 adds AVX-512 F/BW/DQ/VL (no BF16, no VNNI).
+# Only llama-server, into llama-build-LEVEL.
+step_llama_isa() {
+  local level="$1" flags
+  case "$level" in
+    avx2) flags=(-DGGML_AVX512=OFF) ;;
+    avx512) flags=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF) ;;
+    *) record "llama-$level" "failed: no llama.cpp build for level '$level' (avx2, avx512)"; return 1 ;;
+  esac
+  local build="$CACHE/llama-build-$level"
+  if [[ -x "$build/bin/llama-server" ]]; then
+    record "llama-$level" "ok $LLAMA_VERSION $build/bin/llama-server"; return 0
+  fi
+  [[ -d "$SRC" ]] || { record "llama-$level" "failed: llama.cpp sources missing (run step llama)"; return 1; }
+  log "cmake configure vendor/llama.cpp for $level"
+  cmake -S "$SRC/vendor/llama.cpp" -B "$build" -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    "${flags[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    || { record "llama-$level" "failed: cmake configure"; return 1; }
+  log "cmake build llama-server for $level (-j$JOBS)"
+  cmake --build "$build" --target llama-server -j"$JOBS" \
+    || { record "llama-$level" "failed: cmake build llama-server"; return 1; }
+  record "llama-$level" "ok $LLAMA_VERSION $build/bin/llama-server"
 }
 
 step_convert_venv() {
@@ -191,6 +220,8 @@ case "$what" in
   aiperf) step_aiperf ;;
   quant) step_quant ;;
   gemma3) step_gemma3 ;;
+  llama-avx2) step_llama_isa avx2 ;;
+  llama-avx512) step_llama_isa avx512 ;;
   all)
     step_llama
     step_gguf

@@ -87,7 +87,7 @@ def versions(hf_dir: Path) -> dict[str, str]:
         ver = subprocess.run([str(common.llama_server_bin()), "--version"], capture_output=True,
                              text=True, check=False, timeout=30)  # fmt: skip
         v["llama-server"] = " ".join((ver.stdout + ver.stderr).split())[:160]
-    v["llama.cpp peer"] = common.peer_status("llama")
+    v["llama.cpp peer"] = common.peer_status(common.llama_peer())
     v["vllm peer"] = common.peer_status("vllm")
     return v
 

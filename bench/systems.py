@@ -104,7 +104,7 @@ def plan_quant(hf_dir: Path, sh: Callable[[list[str]], str], skip: Sequence[str]
                 spec = replace(llama_spec(gguf, common.free_port(), repack=repack), name=name)
                 out.append(Planned(name, spec, levels=QUANT_LEVELS))
             else:
-                out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))
+                out.append(Planned(name, None, f"not installed ({common.peer_status(common.llama_peer())})"))
         else:
             try:
                 engine = build_engine(sh, gguf, tp_of(name), quant)
@@ -135,7 +135,7 @@ def plan_gemma3(sh: Callable[[list[str]], str], skip: Sequence[str] = ()) -> lis
                 spec = replace(llama_spec(gguf, common.free_port()), name=name)
                 out.append(Planned(name, spec, levels=QUANT_LEVELS, tokenizer_dir=hf_dir))
             else:
-                out.append(Planned(name, None, f"not installed ({common.peer_status('llama')})"))
+                out.append(Planned(name, None, f"not installed ({common.peer_status(common.llama_peer())})"))
         else:
             try:
                 engine = build_engine(sh, gguf, tp_of(name))
@@ -196,7 +196,7 @@ def plan(
             if common.llama_server_bin().exists() and gguf.exists():
                 out.append(Planned(name, llama_spec(gguf, common.free_port())))
             else:
-                why = f"{common.peer_status('llama')}; gguf: {common.peer_status('gguf')}"
+                why = f"{common.peer_status(common.llama_peer())}; gguf: {common.peer_status('gguf')}"
                 out.append(Planned(name, None, f"not installed ({why})"))
         elif common.peer_status("vllm").startswith("ok") and common.vllm_python().exists():
             spec = vllm_spec(hf_dir, common.free_port(), VLLM_CACHE)
