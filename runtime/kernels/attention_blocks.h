@@ -88,9 +88,11 @@ void block_scores(const float* qf, const float* kbuf, int64_t n, int64_t g, int6
         const float* k0 = kbuf + t * D;
         const float* k1 = t + 1 < n ? k0 + D : k0;  // an odd last key pairs with itself
         __m256 a[8];
+#pragma GCC unroll 8
         for (auto& v : a) v = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+#pragma GCC unroll 4
           for (int64_t j = 0; j < 4; ++j) {
             const __m256 qv = _mm256_loadu_ps(q0 + j * D + d);
             a[j] = _mm256_fmadd_ps(qv, x0, a[j]);

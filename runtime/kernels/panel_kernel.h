@@ -56,20 +56,24 @@ constexpr const int64_t* perm() {
 template <int64_t MR, typename W>
 inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float* out, bool add) {
   __m256 c0[MR], c1[MR];
-  for (int64_t m = 0; m < MR; ++m) {
-    c0[m] = add ? _mm256_loadu_ps(out + m * kPanel) : _mm256_setzero_ps();
-    c1[m] = add ? _mm256_loadu_ps(out + m * kPanel + 8) : _mm256_setzero_ps();
-  }
+#pragma GCC unroll 8
+  for (int64_t m = 0; m < MR; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     widen(p + k * kPanel, w0, w1);
+#pragma GCC unroll 8
     for (int64_t m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
       c0[m] = _mm256_fmadd_ps(xb, w0, c0[m]);
       c1[m] = _mm256_fmadd_ps(xb, w1, c1[m]);
     }
   }
+#pragma GCC unroll 8
   for (int64_t m = 0; m < MR; ++m) {
+    if (add) {
+      c0[m] = _mm256_add_ps(c0[m], _mm256_loadu_ps(out + m * kPanel));
+      c1[m] = _mm256_add_ps(c1[m], _mm256_loadu_ps(out + m * kPanel + 8));
+    }
     _mm256_storeu_ps(out + m * kPanel, c0[m]);
     _mm256_storeu_ps(out + m * kPanel + 8, c1[m]);
   }

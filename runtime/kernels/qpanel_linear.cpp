@@ -211,15 +211,19 @@ inline void quad_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int8
   const at::Half* sp = w.scales + p * kCols * w.groups;
   const at::Half* mp = w.mins ? w.mins + p * kCols * w.groups : nullptr;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 f0[MR], f1[MR];
-  for (int64_t m = 0; m < MR; ++m) f0[m] = f1[m] = _mm256_setzero_ps();
+  // The float sums live in `out` between runs (a load and a store a row per run of 32 k):
+  // held in registers beside the int16 sums, 3 rows took all 16 of AVX2's and GCC spilled
+  // inside the inner loop (10-16 stack stores per 6 vpmaddubsw).
+  for (int64_t m = 0; m < MR * kCols; ++m) out[m] = 0.f;
   for (int64_t r = 0; r < runs; ++r) {
     __m256i a0[MR], a1[MR];
+#pragma GCC unroll 4
     for (int64_t m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int64_t q = 0; q < kRun / 4; ++q) {
       __m256i lo, hi;
       quad_u8<kStored>(wp, r * kRun / 4 + q, lo, hi);
+#pragma GCC unroll 4
       for (int64_t m = 0; m < MR; ++m) {
         const __m256i xb = _mm256_set1_epi32(
             *reinterpret_cast<const int32_t*>(xq + m * K + r * kRun + 4 * q));
@@ -230,6 +234,13 @@ inline void quad_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int8
     const int64_t g = r / per_group;
     const auto* sg = reinterpret_cast<const __m128i*>(sp + g * kCols);
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sg)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(sg + 1));
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    if (mp) {  // + min x (sum of the run's x), in float as the reference
+      const auto* mg = reinterpret_cast<const __m128i*>(mp + g * kCols);
+      m0 = _mm256_cvtph_ps(_mm_loadu_si128(mg));
+      m1 = _mm256_cvtph_ps(_mm_loadu_si128(mg + 1));
+    }
+#pragma GCC unroll 4
     for (int64_t m = 0; m < MR; ++m) {
       __m256i c0 = _mm256_madd_epi16(a0[m], ones), c1 = _mm256_madd_epi16(a1[m], ones);
       if constexpr (kSym) {  // the zero point: (q - 8) x = q x - 8 x
@@ -238,22 +249,18 @@ inline void quad_pass(const QWeight& w, int64_t p, const uint8_t* wp, const int8
         c1 = _mm256_sub_epi32(c1, z);
       }
       const __m256 xsb = _mm256_broadcast_ss(xs + m * runs + r);
-      f0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, xsb), f0[m]);
-      f1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, xsb), f1[m]);
-    }
-    if (mp) {  // + min x (sum of the run's x), in float as the reference
-      const auto* mg = reinterpret_cast<const __m128i*>(mp + g * kCols);
-      const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(mg)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(mg + 1));
-      for (int64_t m = 0; m < MR; ++m) {
+      __m256 f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(s0, xsb),
+                                  _mm256_loadu_ps(out + m * kCols));
+      __m256 f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(s1, xsb),
+                                  _mm256_loadu_ps(out + m * kCols + 8));
+      if (mp) {
         const __m256 sb = _mm256_broadcast_ss(fsum + m * runs + r);
-        f0[m] = _mm256_fmadd_ps(m0, sb, f0[m]);
-        f1[m] = _mm256_fmadd_ps(m1, sb, f1[m]);
+        f0 = _mm256_fmadd_ps(m0, sb, f0);
+        f1 = _mm256_fmadd_ps(m1, sb, f1);
       }
+      _mm256_storeu_ps(out + m * kCols, f0);
+      _mm256_storeu_ps(out + m * kCols + 8, f1);
     }
-  }
-  for (int64_t m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(out + m * kCols, f0[m]);
-    _mm256_storeu_ps(out + m * kCols + 8, f1[m]);
   }
 }
 
