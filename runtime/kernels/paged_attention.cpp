@@ -63,7 +63,6 @@
 #include <vector>
 
 #include "attention_blocks.h"
-#include "parallel.h"
 
 namespace {
 
@@ -190,9 +189,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   scalar_t* op = out.data_ptr<scalar_t>();
   const float sc = static_cast<float>(scale);
 
-  // Items taken in small chunks (parallel.h): sequences of a batch differ in context, and a
-  // static half each left one thread waiting on the other's longer ones.
-  aotllm::parallel_chunks(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     Scratch s(g, D, bs, sc);
     int64_t lim[kMaxGroup];
     for (int64_t work = begin; work < end; ++work) {
@@ -252,7 +249,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     }
   }
 
-  aotllm::parallel_chunks(0, P * Hk * tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P * Hk * tiles, 1, [&](int64_t begin, int64_t end) {
     Scratch s(kTileRows * g, D, bs, sc);
     std::vector<int64_t> lim(kTileRows * g);
     for (int64_t work = begin; work < end; ++work) {
