@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from bench import common, floors, hf_baseline, phases, report, systems
-from bench.servers import ServerSpec, serve
+from bench.servers import ServerSpec, http_get, serve
 from runtime.store.floors import drop_page_cache
 
 FULL = phases.Workload()
@@ -138,7 +138,25 @@ def measure_system(
                         f"--max-tokens {wl.max_tokens}")  # fmt: skip
             if cut:
                 run.note(f"{spec.name}: levels {cut} not measured, its {budget:.0f} s ran out")
+        if spec.name.startswith("ours"):
+            entry["thread_policy"] = thread_policy(spec)
+            print(f"{spec.name}: thread policy {entry['thread_policy']}", flush=True)
     return entry
+
+
+def thread_policy(spec: ServerSpec) -> dict[str, float]:
+    """The server's step-thread counters at the end of its run (/metrics): a probe that
+    moved a quiet server to fewer threads explains a slow level."""
+    status, body = http_get(f"{spec.base_url}/metrics")
+    out: dict[str, float] = {}
+    for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+        name, _, value = line.partition(" ")
+        if name.startswith("llmserve_thread_") or name == "llmserve_intra_op_threads":
+            try:
+                out[name.removeprefix("llmserve_")] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def _measure(run: Run, args: argparse.Namespace, wl: phases.Workload) -> None:
