@@ -96,3 +96,16 @@ def test_amx_tiles_of_both_kernels_and_onednn_share_threads(lib: Path) -> None:
         rows = (1, 16, 40)[i % 3]
         assert torch.equal(torch.nn.functional.linear(x, w), want_a), i
         assert torch.equal(torch.ops.aotllm.linear_pairs(x[:rows], wp, None), want_b[rows]), i
+
+
+def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(lib: Path) -> None:
+    # A verify step (speculation) multiplies a sequence's rows together with others, plain
+    # decode one at a time: their logits must agree bit for bit, so a row's result may not
+    # depend on how many rows share its pass (or how the passes split them).
+    torch.manual_seed(3)
+    w = (torch.randn(96, 576) / 24).to(torch.bfloat16)
+    wp = pack_pairs(w)
+    x = torch.randn(17, 576).to(torch.bfloat16)
+    alone = torch.cat([torch.ops.aotllm.linear_pairs(x[i:i + 1], wp, None, True) for i in range(17)])
+    for rows in (2, 3, 5, 8, 9, 12, 16, 17):
+        assert torch.equal(torch.ops.aotllm.linear_pairs(x[:rows], wp, None, True), alone[:rows])
