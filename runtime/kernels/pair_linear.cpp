@@ -69,10 +69,13 @@ inline void store_panel(const float* c, int64_t m0, int64_t m1, int64_t p, const
 }
 
 #if defined(__AVX512BF16__)
-// MR rows of x (pairs of bf16 as int32) against NP adjacent panels from `pw`, CH chains a
-// row and panel (a chain takes every CH-th pair of k): c [NP][MR][16]. At most 16
-// accumulators: with 8 rows over 2 panels, one broadcast pair of x feeds two products and a
-// step loads 10 vectors for 16 `vdpbf16ps` (4 rows over 1 panel: 10 for 8).
+// MR rows of x (pairs of bf16 as int32) against NP adjacent panels from `pw`: c [NP][MR][16].
+// At most 16 accumulators: with 8 rows over 2 panels, one broadcast pair of x feeds two
+// products and a step loads 10 vectors for 16 `vdpbf16ps` (4 rows over 1 panel: 10 for 8).
+//
+// One chain a row and panel whatever MR and NP: a row's sums must not depend on how many rows
+// share its pass (the rows of a verify step and of plain decode give bit-identical logits;
+// two chains where MR x NP is small broke that).
 //
 // `next` (or null): the thread's next panels, prefetched into L2 line for line as these are
 // read, by the last of several row passes. A decode step of 16 rows is two passes of 8
@@ -82,55 +85,40 @@ inline void store_panel(const float* c, int64_t m0, int64_t m1, int64_t p, const
 // Nothing else is prefetched: a thread streams its panels once, and a one-row pass (memory
 // bound) ran faster on the hardware prefetcher alone than with a prefetch 4 KiB ahead into
 // L1 (SmolLM2 bf16 decode step, 1 row, Zen 5: 13.2-14.5 -> 11.0-11.8 ms in process).
-template <int MR, int NP, int CH>
+template <int MR, int NP>
 void dpbf16_rows(const int32_t* xp, int64_t K, const char* pw, float* c, const char* next) {
-  static_assert(MR * NP * CH <= 16, "accumulators beyond the register file");
+  static_assert(MR * NP <= 16, "accumulators beyond the register file");
   const int64_t stride = kCols * K * 2;  // bytes from one panel to the next
-  __m512 acc[MR][NP][CH];
+  __m512 acc[MR][NP];
   for (auto& a : acc)
-    for (auto& b : a)
-      for (auto& v : b) v = _mm512_setzero_ps();
-  for (int64_t t = 0; t < K / 2; t += CH) {
-    for (int h = 0; h < CH; ++h) {
-      __m512bh wv[NP];
-      for (int q = 0; q < NP; ++q) {
-        if (next != nullptr) _mm_prefetch(next + q * stride + (t + h) * 64, _MM_HINT_T1);
-        wv[q] = (__m512bh)_mm512_loadu_si512(pw + q * stride + (t + h) * 64);
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * K / 2 + t + h]);
-        for (int q = 0; q < NP; ++q) acc[r][q][h] = _mm512_dpbf16_ps(acc[r][q][h], wv[q], xv);
-      }
+    for (auto& v : a) v = _mm512_setzero_ps();
+  for (int64_t t = 0; t < K / 2; ++t) {
+    __m512bh wv[NP];
+    for (int q = 0; q < NP; ++q) {
+      if (next != nullptr) _mm_prefetch(next + q * stride + t * 64, _MM_HINT_T1);
+      wv[q] = (__m512bh)_mm512_loadu_si512(pw + q * stride + t * 64);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * K / 2 + t]);
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], wv[q], xv);
     }
   }
   for (int q = 0; q < NP; ++q)
-    for (int r = 0; r < MR; ++r) {
-      __m512 sum = acc[r][q][0];
-      for (int h = 1; h < CH; ++h) sum = _mm512_add_ps(sum, acc[r][q][h]);
-      _mm512_storeu_ps(c + (q * MR + r) * kCols, sum);
-    }
-}
-
-// MR rows against NP panels, one chain a row and panel whatever MR and NP: a row's sums
-// must not depend on how many rows share its pass (the rows of a verify step and of plain
-// decode give bit-identical logits; two chains where MR x NP is small broke that).
-template <int MR, int NP>
-void dpbf16_pass(const int32_t* xp, int64_t K, const char* pw, float* c, const char* next) {
-  dpbf16_rows<MR, NP, 1>(xp, K, pw, c, next);
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (q * MR + r) * kCols, acc[r][q]);
 }
 
 template <int NP>
 void dpbf16_any(int64_t mr, const int32_t* xp, int64_t K, const char* pw, float* c,
                 const char* next) {
   switch (mr) {
-    case 1: dpbf16_pass<1, NP>(xp, K, pw, c, next); break;
-    case 2: dpbf16_pass<2, NP>(xp, K, pw, c, next); break;
-    case 3: dpbf16_pass<3, NP>(xp, K, pw, c, next); break;
-    case 4: dpbf16_pass<4, NP>(xp, K, pw, c, next); break;
-    case 5: dpbf16_pass<5, NP>(xp, K, pw, c, next); break;
-    case 6: dpbf16_pass<6, NP>(xp, K, pw, c, next); break;
-    case 7: dpbf16_pass<7, NP>(xp, K, pw, c, next); break;
-    default: dpbf16_pass<8, NP>(xp, K, pw, c, next); break;
+    case 1: dpbf16_rows<1, NP>(xp, K, pw, c, next); break;
+    case 2: dpbf16_rows<2, NP>(xp, K, pw, c, next); break;
+    case 3: dpbf16_rows<3, NP>(xp, K, pw, c, next); break;
+    case 4: dpbf16_rows<4, NP>(xp, K, pw, c, next); break;
+    case 5: dpbf16_rows<5, NP>(xp, K, pw, c, next); break;
+    case 6: dpbf16_rows<6, NP>(xp, K, pw, c, next); break;
+    case 7: dpbf16_rows<7, NP>(xp, K, pw, c, next); break;
+    default: dpbf16_rows<8, NP>(xp, K, pw, c, next); break;
   }
 }
 
