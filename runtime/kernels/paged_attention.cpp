@@ -5,18 +5,21 @@
 // head (GQA) are processed together, so each key and value row is read once. Nothing is
 // gathered or copied, and no [context]-sized intermediate is materialized: the tensor
 // version (runtime/models/attention.py) gathers whole blocks, masks, and runs a softmax
-// over every slot, which costs more than the model's GEMMs at small batch. A block's keys
-// and values are widened to float32 once; its scores are taken four queries x two keys at a
-// time (eight FMA chains: one dot product at a time waited on the FMA latency) and its
-// values 64 dimensions a pass in registers (SmolLM2 shapes, batch 16, context 128, 30
-// layers, 2 threads: 10.6-11.0 -> 4.7-5.0 ms). On AVX512-BF16 targets the scores of bf16
-// caches come from the keys as stored (`vdpbf16ps`, nothing widened) and the values take 16
-// lanes an FMA: batch 16, context 176, 30 layers, 2 threads 3.1-3.3 -> 2.7-2.8 ms; one
-// thread with TP=2's 6 heads 4.1-4.3 -> 3.3-3.4 ms. The pieces are attention_blocks.h's.
+// over every slot, which costs more than the model's GEMMs at small batch. A block's scores
+// are taken four queries x two keys at a time (eight FMA chains: one dot product at a time
+// waited on the FMA latency) and its values a pass of registers at a time (SmolLM2 shapes,
+// batch 16, context 128, 30 layers, 2 threads: 10.6-11.0 -> 4.7-5.0 ms). On AVX512-BF16
+// targets the scores of bf16 caches come from the keys as stored (`vdpbf16ps`): batch 16,
+// context 176, 30 layers, 2 threads 3.1-3.3 -> 2.7-2.8 ms. Keys and values are widened in
+// registers as they are read, each value row once for up to 4 queries (AVX2: 2), and the
+// softmax's exp takes a vector of scores an instruction: a float32 copy of every block
+// stored and re-read each row once more. Batch 16 (1), context 300, 30 layers, 2 threads,
+// Intel Xeon with AMX: 5.2-5.5 -> 4.2-4.3 ms (0.53 -> 0.44-0.48); the AVX2 level forced
+// there 7.8-8.3 -> 5.1-5.3 ms (0.72-0.75 -> 0.50-0.52). The pieces are attention_blocks.h's.
 //
 // Prompt chunks take the same path in tiles of 8 query rows (x the group's heads), each row
-// causal to its own position, so a key block is widened once per tile: one row per query
-// widened the whole prefix once per row (SmolLM2, a 128-token prompt, 30 layers: see
+// causal to its own position, so a key block is read once per tile: one row per query
+// read the whole prefix once per row (SmolLM2, a 128-token prompt, 30 layers: see
 // prefill_kernel).
 //
 // `kv_live` says which rows each KV head attends (runtime/models/kv_heads.py). With TP,
@@ -81,20 +84,21 @@ struct HeadRows {
 
 // Per-thread scratch of one work item: up to G queries against one KV head.
 struct Scratch {
-  std::vector<float> qf, acc, probs, kbuf, vbuf, m, l;
+  std::vector<float> qf, acc, probs, m, l;
   std::vector<at::BFloat16> qb;  // the queries unscaled (bf16 caches: block_scores_bf16)
   float sc = 1.f;                // the scale qf carries and qb does not
   Scratch(int64_t G, int64_t D, int64_t bs, float scale)
-      : qf((G + 3) / 4 * 4 * D, 0.f), acc(G * D), probs(G * bs), kbuf(bs * D), vbuf(bs * D),
-        m(G), l(G), qb((G + 3) / 4 * 4 * D, at::BFloat16(0.f)), sc(scale) {}
+      : qf((G + 3) / 4 * 4 * D, 0.f), acc(G * D), probs(G * bs), m(G), l(G),
+        qb((G + 3) / 4 * 4 * D, at::BFloat16(0.f)), sc(scale) {}
 };
 
 // One work item: the G queries in s.qf (scaled; rows past G zero) against the keys and
 // values of one (sequence, KV head), read in place block by block through `table`; query i
 // sees the keys [0, lim[i]) (lim >= 1: causal within a prompt, the whole context when
 // decoding), or with a sliding `window` only [lim[i] - window, lim[i]): blocks before every
-// query's window are never read. Each block's keys and values are widened to float32 once for all G queries;
-// an online softmax keeps one rescale a block. -> s.acc [G, D], s.l [G] (unnormalized).
+// query's window are never read. Each key and value row is read once for all G queries and
+// widened in registers; an online softmax keeps one rescale a block.
+// -> s.acc [G, D], s.l [G] (unnormalized).
 template <typename scalar_t>
 void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int64_t nblocks,
             const scalar_t* kh, int64_t k_block, int64_t k_slot, const scalar_t* vh,
@@ -121,12 +125,10 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
       if (D % 32 == 0) {
         block_scores_bf16(s.qb.data(), kb, k_slot, n, G, gp, D, s.sc, s.probs.data(), bs);
       } else {
-        for (int64_t t = 0; t < n; ++t) widen(kb + t * k_slot, &s.kbuf[t * D], D);
-        block_scores(s.qf.data(), s.kbuf.data(), n, G, gp, D, s.probs.data(), bs);
+        block_scores(s.qf.data(), kb, k_slot, n, G, gp, D, s.probs.data(), bs);
       }
     } else {
-      for (int64_t t = 0; t < n; ++t) widen(kb + t * k_slot, &s.kbuf[t * D], D);
-      block_scores(s.qf.data(), s.kbuf.data(), n, G, gp, D, s.probs.data(), bs);
+      block_scores(s.qf.data(), kb, k_slot, n, G, gp, D, s.probs.data(), bs);
     }
     for (int64_t i = 0; i < G; ++i) {  // online softmax: rescale once per block
       float* pi = &s.probs[i * bs];
@@ -138,26 +140,12 @@ void attend(Scratch& s, int64_t G, const int64_t* lim, const int64_t* table, int
         std::fill(pi, pi + n, 0.f);
         continue;
       }
-      const float m_new = std::max(s.m[i], *std::max_element(pi + a, pi + ni));
-      // ~0 on the first block (m = -inf), where acc and l are 0 anyway
-      const float corr = exp_neg(s.m[i] - m_new);
-      float lsum = 0.f;
-#pragma omp simd reduction(+ : lsum)
-      for (int64_t t = a; t < ni; ++t) {
-        pi[t] = exp_neg(pi[t] - m_new);
-        lsum += pi[t];
-      }
-      std::fill(pi, pi + a, 0.f);
-      std::fill(pi + ni, pi + n, 0.f);
-      lsum += s.l[i] * corr;
+      const float corr = block_softmax(pi, n, a, ni, s.m[i], s.l[i]);
       float* ai = &s.acc[i * D];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ai[d] *= corr;
-      s.m[i] = m_new;
-      s.l[i] = lsum;
     }
-    for (int64_t t = 0; t < n; ++t) widen(vb + t * v_slot, &s.vbuf[t * D], D);
-    block_values(s.probs.data(), s.vbuf.data(), n, G, D, s.acc.data(), bs);
+    block_values(s.probs.data(), vb, v_slot, n, G, D, s.acc.data(), bs);
   }
 }
 
@@ -213,7 +201,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 // Prompt chunks: P sequences of Q query rows each (a shorter chunk repeats its last row),
 // q_pos [P, Q] their positions. A work item is (sequence, KV head, a tile of kTileRows of
 // the rows that head attends): the tile's rows x the group's heads go through `attend`
-// together, so each key and value block is widened once per tile rather than once per
+// together, so each key and value block is read once per tile rather than once per
 // query row (the decode kernel with one row per query re-read the whole prefix for every
 // row). A head shared with another rank tiles every other row, which keeps the causal
 // work even between the two.
