@@ -21,12 +21,13 @@ def compute_golden(engine_dir: Path, backend: str, tp: int, dtype: str, profile:
     target's device ("cpu" or "cuda")."""
     if tp == 1:
         record = run_local(engine_dir, backend, dtype, profile.tokens_per_block, Comm(),
-                           profile.max_num_tokens, device)
+                           profile.max_num_tokens, device, profile.max_batch_size)
         assert record is not None
         return record
     out = engine_dir / ".golden.json"
     cmd = [*mpirun_argv(tp), sys.executable, "-m", "runtime.executors.golden", str(engine_dir), backend,
-           dtype, str(profile.tokens_per_block), str(out), str(profile.max_num_tokens), device]
+           dtype, str(profile.tokens_per_block), str(out), str(profile.max_num_tokens), device,
+           str(profile.max_batch_size)]
     with mpi_session(child_env()) as env:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out.exists():

@@ -200,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
                    "a CPU the golden check's two steps (prefill, then decode at the largest "
                    "batch) are the warmup, a compiled CPU step having no per-shape state; "
                    "full: the profile's shapes on any device; none: the golden check alone, "
-                   "which runs in every case")
+                   "one step a token as the build ran it (it runs in every case)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

@@ -7,7 +7,7 @@ that covers legitimate floating-point noise (thread counts, kernel choice) but n
 corrupted, truncated or swapped shard.
 
 Each rank of a TP>1 engine runs (pipeline/golden.py starts it at build time):
-    mpirun -n TP python -m runtime.executors.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS [DEVICE]
+    mpirun -n TP python -m runtime.executors.golden ENGINE_DIR BACKEND DTYPE BLOCK_SIZE OUT.json MAX_TOKENS [DEVICE [DECODE_BATCH]]
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def run_golden_forced(
             send(plan)
         t0 = time.perf_counter()
         _, logits = runner.execute(plan)
-        shapes.append({"shape": what, "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+        shapes.append({"shape": what, "rows": len(plan.scheduled),
+                       "ms": round((time.perf_counter() - t0) * 1e3, 2)})
         assert logits is not None
         if plan.step_id == 0:  # row 0: the chunk's last position; then positions 0..
             rows.extend(logits[1 + p - 1 : 1 + len(chunk) - 1])
@@ -175,6 +176,38 @@ def run_golden_forced(
         extra = [(t, float(row[t])) for t in (watch[i] if watch else []) if t not in seen]
         tops.append(top + extra)
     return tops, shapes
+
+
+def replay_golden(
+    runner: ModelRunner, record: dict[str, Any], max_tokens: int, decode_batch: int,
+    send: Callable[[StepPlan], None] | None = None, fast: bool = True,
+) -> tuple[list[list[tuple[int, float]]], dict[str, Any], Any]:
+    """The warmup gate's run of the golden record: (the top logits observed, the record to
+    check them against, what ran). `fast`: the two-step teacher-forced run at the record's
+    decode batch (else `decode_batch`: the prefill path and the largest decode batch
+    exercised once; `max_tokens`, the step's token budget, bounds the prefill), checked
+    against the build's own run of those two steps; otherwise one step a token, checked
+    against the build's greedy run, which it repeats step for step.
+
+    Like is compared with like: a kernel may choose its path by the rows in a call (bf16
+    int4 linears on AMX: tiles on bf16 inputs from 8 rows, VNNI passes on int8-quantized
+    inputs below), so the prefill of the forced tokens and the build's one-token decode
+    steps differ by more than float noise (SmolLM2 int4, Xeon with AMX: 0.47 logits,
+    tolerance 0.433) though both are the engine as built. A record from before the build
+    ran the two steps (no "forced") is checked against its greedy run either way."""
+    prompt, tokens = record["prompt_token_ids"], record["tokens"]
+    forced = record.get("forced")
+    if fast:
+        ref = forced if forced is not None else record
+        out = run_golden_forced(
+            runner, prompt, tokens, max_tokens, send,
+            decode_batch=forced["decode_batch"] if forced is not None else decode_batch,
+            watch=[[t for t, _ in step] for step in ref["top_logits"]])
+        if out is not None:
+            tops, shapes = out
+            return tops, ref, shapes
+    _, tops = run_golden(runner, prompt, len(tokens), forced=tokens, send=send)
+    return tops, record, len(tokens)
 
 
 def check_golden(record: dict[str, Any], observed: list[list[tuple[int, float]]], dtype: str,
@@ -238,9 +271,12 @@ def run_logprobs(runner: ModelRunner, ids: list[int],
 
 
 def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
-              comm: Comm, max_tokens: int = 0, device: str = "cpu") -> dict[str, Any] | None:
-    """Run the golden prompt on this process's rank; returns the record on rank 0. With
-    `max_tokens` (the profile's token budget), also the fidelity text's log-probabilities,
+              comm: Comm, max_tokens: int = 0, device: str = "cpu",
+              decode_batch: int = 1) -> dict[str, Any] | None:
+    """Run the golden prompt on this process's rank; returns the record on rank 0: the
+    greedy run, one step a token, and with `max_tokens` (the profile's token budget) the
+    warmup gate's two teacher-forced steps along its tokens at `decode_batch` (the profile's
+    largest batch) as "forced" (replay_golden), and the fidelity text's log-probabilities,
     saved as engine_dir/FIDELITY_FILE for the build to compare (pipeline/fidelity.py).
     `device`: the target's ("cpu" or "cuda"), where the engine runs as the server runs it
     (a rank's GPU by its local rank, NCCL between ranks)."""
@@ -253,7 +289,9 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
         torch.cuda.set_device(device)
     comm.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     tp = TPContext(comm.rank, comm.size)
-    blocks = (max(64 + GOLDEN_STEPS, FIDELITY_MAX_TOKENS)) // block_size + 2
+    # the prompt (or the fidelity text), and one block each for the forced decode batch's
+    # other rows
+    blocks = (max(64 + GOLDEN_STEPS, FIDELITY_MAX_TOKENS)) // block_size + 2 + decode_batch
     # The build's own fresh output: no manifest yet (it records what this run computes).
     runner, cfg = runner_from_engine(engine_dir, backend, dtype, tp, blocks, block_size,
                                      max_tokens or None, device)
@@ -262,6 +300,12 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
         return None
     prompt = golden_prompt_ids(engine_dir, cfg.vocab_size)[:64]
     tokens, tops = run_golden(runner, prompt, GOLDEN_STEPS, send=comm.send_plan)
+    record: dict[str, Any] = {"prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt,
+                              "tokens": tokens, "top_logits": tops, "dtype": dtype}
+    fast = run_golden_forced(runner, prompt, tokens, max_tokens, comm.send_plan,
+                             decode_batch=decode_batch) if max_tokens else None
+    if fast is not None:
+        record["forced"] = {"decode_batch": fast[1][1]["rows"], "top_logits": fast[0]}
     if max_tokens >= 2:
         ids = fidelity_ids(engine_dir, cfg.vocab_size, max_tokens)
         logprobs = run_logprobs(runner, ids, send=comm.send_plan)
@@ -272,8 +316,7 @@ def run_local(engine_dir: Path, backend: str, dtype: str, block_size: int,
         (engine_dir / FIDELITY_FILE).write_bytes(buf.getbuffer())
     if comm.size > 1:
         comm.send_plan(StepPlan(-1, shutdown=True))
-    return {"prompt": GOLDEN_PROMPT, "prompt_token_ids": prompt, "tokens": tokens,
-            "top_logits": tops, "dtype": dtype}
+    return record
 
 
 def main(argv: list[str]) -> None:
@@ -284,7 +327,7 @@ def main(argv: list[str]) -> None:
     code = 1
     try:
         rec = run_local(Path(engine_dir), backend, dtype, int(block_size), comm, int(max_tokens),
-                        rest[0] if rest else "cpu")
+                        rest[0] if rest else "cpu", int(rest[1]) if len(rest) > 1 else 1)
         if rec is not None:
             Path(out).write_text(json.dumps(rec))
         code = 0
@@ -294,4 +337,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:8])
+    main(sys.argv[1:9])

@@ -28,7 +28,7 @@ from runtime.executors.draft import (
     open_draft,
     vocab_hashes,
 )
-from runtime.executors.golden import check_golden, run_golden, run_golden_forced
+from runtime.executors.golden import check_golden, replay_golden
 from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.runner import ModelRunner
 from runtime.executors.torch import allocate_kv_cache, engine_runner, package_files
@@ -358,17 +358,10 @@ class TorchBackend(Backend):
             raise shutdown_requested("warmup") from None
         record = m.golden
         t0 = time.perf_counter()
-        batch = p.max_batch_size if self.cfg.warmup != "none" else 1
-        fast = run_golden_forced(runner, record["prompt_token_ids"], record["tokens"],
-                                 p.max_num_tokens, send, decode_batch=batch,
-                                 watch=[[t for t, _ in step] for step in record["top_logits"]])
-        if fast is None:
-            _, tops = run_golden(runner, record["prompt_token_ids"], len(record["tokens"]),
-                                 forced=record["tokens"], send=send)
-            ev["golden_steps"] = len(record["tokens"])
-        else:
-            tops, shapes = fast
-            ev["golden_steps"] = shapes
+        # --warmup none: the build's greedy steps, one a token (no batch beyond one row)
+        tops, reference, ev["golden_steps"] = replay_golden(
+            runner, record, p.max_num_tokens, p.max_batch_size, send,
+            fast=self.cfg.warmup != "none")
         ev["golden_s"] = round(time.perf_counter() - t0, 3)
         if not sweep:
             ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
@@ -376,7 +369,7 @@ class TorchBackend(Backend):
         send(StepPlan(PHASE_DONE))
         if built.drafter is not None:
             ev["draft"] = self._warm_draft(built.drafter, record["prompt_token_ids"])
-        ok, evidence = check_golden(record, tops, m.dtype, m.quant.scheme)
+        ok, evidence = check_golden(reference, tops, m.dtype, m.quant.scheme)
         ev["golden"] = evidence
         if not ok:
             raise GateFailure(
