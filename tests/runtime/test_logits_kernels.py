@@ -17,7 +17,7 @@ from runtime import kernels
 from runtime.host import host_cpu_target
 from runtime.models.panels import pack_pairs, pack_panels, pack_qpanels
 from runtime.quant import dequantize_packed, quantize
-from tests.runtime.test_qpanel_kernels import int4_reference, sees_int8_x
+from tests.runtime.test_qpanel_kernels import int4_reference, sees_bf16_w, sees_int8_x
 
 ROWS = (1, 3, 4, 5, 16, 17, 67)  # decode rows, passes of 4 and a short one, batches, prompts
 
@@ -82,6 +82,8 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
     # and panels; the pair-panel passes keep scale * q exact
     rounds = layout == "rows" and host_cpu_target().isa != "avx2"
     w = dequantize_packed(q, s, m, qt.group, dtype if rounds else torch.float32).float()
+    # AMX tiles (pairs, bf16 batches) take each weight rounded once to bf16
+    w16 = dequantize_packed(q, s, m, qt.group, dtype).float()
     a = torch.ops.aotllm
     if layout == "pairs":
         pq, ps, pm = pack_qpanels(q, s, m)
@@ -96,7 +98,8 @@ def test_quantized_heads_return_unrounded_float32_logits(lib: Path, spec: QuantS
     for rows in ROWS:
         x = (4 * torch.randn(rows, k)).to(dtype)
         int8_x = layout == "pairs" and sees_int8_x(spec, dtype, rows)
-        want = int4_reference(x, w, m, qt.group, int8_x)
+        tiles = layout == "pairs" and sees_bf16_w(spec, dtype, rows)
+        want = int4_reference(x, w16 if tiles else w, m, qt.group, int8_x)
         got = op(x, True)
         assert got.dtype == torch.float32
         # the pair-panel passes requantize x to int16 per run of 32 (2^-16 of its largest |x|,

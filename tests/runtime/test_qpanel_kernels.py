@@ -61,6 +61,14 @@ def sees_int8_x(spec: QuantSpec, dtype: torch.dtype, rows: int) -> bool:
     return not (isa == "amx" and dtype == torch.bfloat16 and rows >= 8)
 
 
+def sees_bf16_w(spec: QuantSpec, dtype: torch.dtype, rows: int) -> bool:
+    """Whether linear_qpanel takes AMX tiles for this call on this host: bf16 x, from 8 rows
+    (int4) or 16 (int8) (qpanel_linear.cpp kAmxMinRows4/8), each weight dequantized and
+    rounded once to bf16 (q x s (+ min)) for the tiles (qpanel_amx.h)."""
+    amx = host_cpu_target().isa == "amx" and dtype == torch.bfloat16
+    return amx and rows >= (8 if spec.kind == "int4" else 16)
+
+
 def int4_reference(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor | None, group: int,
                    int8_x: bool) -> torch.Tensor:
     """x W^T in float32 as the pair-panel passes compute it: with int8 x, the integer part
