@@ -52,15 +52,18 @@ constexpr const int64_t* perm() {
 
 // out[m][i] (lane order) = sum_k x[m][k] * panel[k][perm[i]], for MR rows of x (ldx apart)
 // and K values of k; with `add`, the sums are added to what out holds (a panel taken in
-// chunks of K).
-template <int64_t MR, typename W>
-inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float* out, bool add) {
+// chunks of K). With kPrefetch, each k also prefetches the line at pf + k * pf_step: the
+// caller's share of the next panel for this pass (panel_gemm's note).
+template <int64_t MR, bool kPrefetch, typename W>
+inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float* out, bool add,
+                       const char* pf, int64_t pf_step) {
   __m256 c0[MR], c1[MR];
 #pragma GCC unroll 8
   for (int64_t m = 0; m < MR; ++m) c0[m] = c1[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     widen(p + k * kPanel, w0, w1);
+    if constexpr (kPrefetch) _mm_prefetch(pf + k * pf_step, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int64_t m = 0; m < MR; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
@@ -79,16 +82,25 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float
   }
 }
 
+template <bool kPrefetch, typename W>
+inline void panel_pass(int64_t mr, const float* x, int64_t ldx, int64_t K, const W* p,
+                       float* out, bool add, const char* pf, int64_t pf_step) {
+  switch (mr) {
+    case 5: panel_rows<5, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step); break;
+    case 4: panel_rows<4, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step); break;
+    case 3: panel_rows<3, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step); break;
+    case 2: panel_rows<2, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step); break;
+    default: panel_rows<1, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step); break;
+  }
+}
+
+// One pass of mr <= kRows rows over a panel; `pf` (or null): what to prefetch meanwhile.
 template <typename W>
 inline void panel_block(int64_t mr, const float* x, int64_t ldx, int64_t K, const W* p,
-                        float* out, bool add = false) {
-  switch (mr) {
-    case 5: panel_rows<5>(x, ldx, K, p, out, add); break;
-    case 4: panel_rows<4>(x, ldx, K, p, out, add); break;
-    case 3: panel_rows<3>(x, ldx, K, p, out, add); break;
-    case 2: panel_rows<2>(x, ldx, K, p, out, add); break;
-    default: panel_rows<1>(x, ldx, K, p, out, add); break;
-  }
+                        float* out, bool add = false, const char* pf = nullptr,
+                        int64_t pf_step = 0) {
+  if (pf != nullptr) panel_pass<true>(mr, x, ldx, K, p, out, add, pf, pf_step);
+  else panel_pass<false>(mr, x, ldx, K, p, out, add, nullptr, 0);
 }
 #endif
 
