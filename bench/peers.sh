@@ -6,7 +6,7 @@
 #   CACHE=${AOT_LLM_CACHE:-~/.cache/aot-llm}/peers
 #     llama-cpp-python-0.3.36/            unpacked sdist (vendor/llama.cpp is built)
 #     llama-build/bin/llama-server        the server binary
-#     llama-build-avx2/, -avx512/         llama-server for a forced lower ISA level
+#     llama-build-avx2/, -avx512/, -avx512_bf16/  llama-server for a forced lower ISA level
 #     convert-venv/                       numpy, gguf (from the sdist), transformers, torch
 #     gguf/<model>-bf16.gguf              the demo checkpoint converted to bfloat16
 #     gguf/<model>-Q8_0.gguf, -Q4_0.gguf  llama-quantize's quantizations of it
@@ -15,7 +15,7 @@
 #     aiperf-venv/                        NVIDIA AIPerf 0.13.0 (the field's load generator)
 #     status/*.txt                        one line per peer: ok / failed and why
 #
-# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf|gemma3|llama-avx2|llama-avx512]
+# Usage: bench/peers.sh [all|llama|gguf|quant|vllm|aiperf|gemma3|llama-avx2|llama-avx512|llama-avx512_bf16]
 #        (default all; the llama-LEVEL builds are not part of all)
 set -uo pipefail
 
@@ -75,14 +75,16 @@ step_llama() {
 
 # llama-server built for a lower ISA level than the host's (`bench.run --isa LEVEL` serves
 # it beside our engines built and served at that level with AOTLLM_CPU_ISA): avx2 is
-# x86-64-v3 (AVX2, FMA, F16C, BMI2), avx512 adds AVX-512 F/BW/DQ/VL (no BF16, no VNNI).
+# x86-64-v3 (AVX2, FMA, F16C, BMI2), avx512 adds AVX-512 F/BW/DQ/VL (no BF16, no VNNI),
+# avx512_bf16 adds AVX-512 BF16 and VNNI (contract/target.py's levels; no AMX).
 # Only llama-server, into llama-build-LEVEL.
 step_llama_isa() {
   local level="$1" flags
   case "$level" in
     avx2) flags=(-DGGML_AVX512=OFF) ;;
     avx512) flags=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF) ;;
-    *) record "llama-$level" "failed: no llama.cpp build for level '$level' (avx2, avx512)"; return 1 ;;
+    avx512_bf16) flags=(-DGGML_AVX512=ON -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON) ;;
+    *) record "llama-$level" "failed: no llama.cpp build for level '$level' (avx2, avx512, avx512_bf16)"; return 1 ;;
   esac
   local build="$CACHE/llama-build-$level"
   if [[ -x "$build/bin/llama-server" ]]; then
@@ -222,6 +224,7 @@ case "$what" in
   gemma3) step_gemma3 ;;
   llama-avx2) step_llama_isa avx2 ;;
   llama-avx512) step_llama_isa avx512 ;;
+  llama-avx512_bf16) step_llama_isa avx512_bf16 ;;
   all)
     step_llama
     step_gguf

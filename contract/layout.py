@@ -63,8 +63,13 @@ PANEL_COLUMNS = 16
 _PANEL_ISAS = ("avx2", "avx512")
 # Where bf16 engines take pair panels ("pairs16"): AMX tiles, or vdpbf16ps passes.
 _PAIR_ISAS = ("avx512_bf16", "amx")
-# Where quantized 16-bit models take pair panels: AVX2's integer kernel, AVX-512's VNNI one.
-_QPANEL_LAYOUT = {"avx2": "panels16qh", "avx512_bf16": "rowsqh", "amx": "rowsqh"}
+# Where quantized 16-bit models take pair panels: AVX2's integer kernel, AVX-512's VNNI one
+# (`vpmaddwd` + `vpaddd` on AVX-512 targets without VNNI). The avx512 level had none: its
+# quantized linears stayed row-major and dequantized every run per call to float32
+# (quant_linear.cpp), and its served Q8_0 engine ran at 0.40x llama-server at c=1 (AVX-512
+# forced on an Intel Xeon with AMX, 31 ms a token against 6 at the avx2 level).
+_QPANEL_LAYOUT = {"avx2": "panels16qh", "avx512": "panels16qh", "avx512_bf16": "rowsqh",
+                  "amx": "rowsqh"}
 
 
 def weight_layout_for(backend: str, device: str, isa: str | None, quantized: bool = False,

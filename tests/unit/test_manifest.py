@@ -110,10 +110,10 @@ def test_a_weight_layout_is_recorded_and_in_the_id_only_when_not_row_major(engin
     # the layout an aoti build chooses: panels where no native bf16 dot product exists
     assert [weight_layout_for("aoti", "cpu", isa) for isa in ISA_LEVELS] == [
         "rows", "panels16", "panels16", "rows", "rows"]
-    # quantized engines: the integer pair panels where their kernels run (AVX2; VNNI with
-    # AVX512-BF16, whose float weights stay row-major)
+    # quantized engines: the integer pair panels wherever their kernels run (AVX2; AVX-512
+    # with or without VNNI, the float weights in panels where no bf16 dot product exists)
     assert [weight_layout_for("aoti", "cpu", isa, quantized=True) for isa in ISA_LEVELS] == [
-        "rows", "panels16qh", "panels16", "rowsqh", "rowsqh"]
+        "rows", "panels16qh", "panels16qh", "rowsqh", "rowsqh"]
     # bf16 engines with a bf16 dot product: float linears in pair panels (AMX's B tiles as
     # stored; vdpbf16ps passes without AMX)
     assert [weight_layout_for("aoti", "cpu", isa, dtype="bfloat16") for isa in ISA_LEVELS] == [
