@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include "prefetch.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -80,8 +81,7 @@ inline void amx_group(int64_t K, const at::BFloat16* xb, const uint16_t* panel, 
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t r = 0; r < K / kTileK; ++r) {
     if (stream) {
-      const char* ahead = reinterpret_cast<const char*>(panel + r * kTileElems + kAmxPrefetch);
-      for (int line = 0; line < 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      prefetch_lines(panel + r * kTileElems + kAmxPrefetch, 1024);  // the run 4 KiB ahead
     }
     amx_blocks<NB>(xb, K, r, panel + r * kTileElems);
   }

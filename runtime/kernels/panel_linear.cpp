@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "panel_kernel.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -72,12 +73,11 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
         // SmolLM2 linears and its LM head from memory (AVX2 forced, 2 threads, Intel Xeon
         // with AMX): 16 rows 33 -> 26-28 ms (head 7.3 -> 5.3), 8 rows 25 -> 16-18, 1 row
         // 14 -> 10.4-12 (the floor at the measured 22 GB/s: 10).
-        const int64_t share = kPanel * K * static_cast<int64_t>(sizeof(W)) / passes;
-        const char* next = reinterpret_cast<const char*>(p + 1 < panels ? panel + kPanel * K
-                                                                       : panel);
+        const int64_t bytes = kPanel * K * static_cast<int64_t>(sizeof(W));
         for (int64_t m = 0, pass = 0; m < M; m += rows, ++pass) {
           const int64_t mr = std::min(rows, M - m);
-          panel_block(mr, x + m * K, K, K, panel, blk, false, next + pass * share, share / K);
+          const PanelShare next = next_panel_share(panel, bytes, p + 1 == panels, pass, passes);
+          panel_block(mr, x + m * K, K, K, panel, blk, false, next.at, next.bytes / K);
           for (int64_t r = 0; r < mr; ++r) {
             Y* yr = y + (m + r) * N + n0;
             for (int64_t i = 0; i < kPanel; ++i) {

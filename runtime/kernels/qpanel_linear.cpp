@@ -44,6 +44,7 @@
 #include "qpanel_amx.h"
 #include "qpanel_dequant.h"
 #include "qpanel_vnni.h"
+#include "prefetch.h"
 #include "quant_int16.h"
 #include "quant_weight.h"
 
@@ -104,18 +105,15 @@ inline void pair_int16(const uint8_t* wp, int64_t t, __m256i& lo, __m256i& hi) {
 struct NextPanel {
   const char* at;
   int64_t run;
-  void fetch(int64_t r) const {
-    for (int64_t b = 0; b < run; b += 64) _mm_prefetch(at + r * run + b, _MM_HINT_T0);
-  }
+  void fetch(int64_t r) const { prefetch_lines(at + r * run, run); }
 };
 
-// The share of the panel after `panel` (bytes long) that pass `pass` of `passes` prefetches,
-// a run of 32 k at a time; the last panel prefetches itself (in cache by then).
+// Pass `pass` of `passes`' share of the panel after `panel` (bytes long), a run of 32 k at a
+// time.
 inline NextPanel next_panel(const uint8_t* panel, int64_t bytes, bool last, int64_t pass,
                             int64_t passes, int64_t runs) {
-  const int64_t share = (bytes + passes - 1) / passes;
-  const char* next = reinterpret_cast<const char*>(last ? panel : panel + bytes);
-  return {next + pass * share, (share + runs - 1) / runs};
+  const PanelShare share = next_panel_share(panel, bytes, last, pass, passes);
+  return {share.at, (share.bytes + runs - 1) / runs};
 }
 
 // out[m][16] = rows m of x (int16 xq [MR, K], run scales xs [MR, runs]) against int8 panel p.

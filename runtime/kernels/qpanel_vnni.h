@@ -18,6 +18,7 @@
 #pragma once
 
 #include "parallel.h"
+#include "prefetch.h"
 #include "quant_weight.h"
 
 #include <algorithm>
@@ -127,8 +128,7 @@ struct GroupCounter {
 // KiB ahead tried; 4 the best). Past a weight's end it is a hint, never a fault.
 constexpr int64_t kPrefetch = 4096;
 inline void prefetch_ahead(const void* run, int64_t bytes) {
-  const char* p = static_cast<const char*>(run) + kPrefetch;
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+  prefetch_lines(static_cast<const char*>(run) + kPrefetch, bytes);
 }
 
 // f[m] += the run's int32 sums c of row m, scaled (and the zero points' term); g its group.
