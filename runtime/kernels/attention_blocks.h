@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "prefetch.h"
 #include "tile_gemm.h"
 
 namespace aotllm::attn {
@@ -65,10 +66,7 @@ inline __m256 load8(const at::Half* p) {
 // the load that widens the values).
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t n, int64_t stride, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(base);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t b = 0; b < bytes; b += 64)
-      __builtin_prefetch(p + t * stride * static_cast<int64_t>(sizeof(T)) + b, 0, 3);
+  for (int64_t t = 0; t < n; ++t) prefetch_lines(base + t * stride, bytes);
 }
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar libm call, and

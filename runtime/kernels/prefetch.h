@@ -1,6 +1,7 @@
-// Software prefetch of the weights a kernel reads next, a cache line at a time.
+// Software prefetch of what a kernel reads next (weights, the next block of the KV cache), a
+// cache line at a time.
 //
-// Why: each thread streams its panels from memory once. When a panel is read more than once
+// Why, for weights: each thread streams its panels from memory once. When a panel is read more than once
 // (several passes of rows over it), the passes after the first hit L1, and the hardware
 // prefetcher, seeing no misses, does not run ahead to the next panel; when it is read once
 // by a short one-row pass, the prefetcher ramps up too late. Both left the kernels waiting on
@@ -18,14 +19,14 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(c + l, 0, 3);
 }
 
-// What pass `pass` of the `passes` over a panel (`bytes` long) prefetches of the panel after
-// it: its share, 1/passes, so that the passes between them fetch all of it. The last panel
-// prefetches itself (in cache by then).
 struct PanelShare {
   const char* at;
   int64_t bytes;
 };
 
+// What pass `pass` of the `passes` over a panel (`bytes` long) prefetches of the panel after
+// it: its share, 1/passes, so that the passes between them fetch all of it. The last panel
+// prefetches itself (in cache by then).
 inline PanelShare next_panel_share(const void* panel, int64_t bytes, bool last, int64_t pass,
                                    int64_t passes) {
   const int64_t share = (bytes + passes - 1) / passes;

@@ -41,10 +41,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "prefetch.h"
 #include "qpanel_amx.h"
 #include "qpanel_dequant.h"
 #include "qpanel_vnni.h"
-#include "prefetch.h"
 #include "quant_int16.h"
 #include "quant_weight.h"
 
