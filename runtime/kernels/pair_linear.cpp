@@ -24,6 +24,7 @@
 
 #include "amx_tiles.h"
 #include "parallel.h"
+#include "store_panel.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -55,17 +56,6 @@ void pairs_generic(const T* x, const T* w, const float* bias, Y* y, int64_t M, i
         y[m * N + n] = static_cast<Y>(acc + (bias ? bias[n] : 0.f));
       }
   });
-}
-
-// y's rows [m0, m1) of panel p from float32 sums c [rows, 16], the bias added, rounded once.
-template <typename Y>
-inline void store_panel(const float* c, int64_t m0, int64_t m1, int64_t p, const float* bias,
-                        Y* y, int64_t N) {
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t j = 0; j < kCols; ++j) {
-      const int64_t n = p * kCols + j;
-      y[m * N + n] = static_cast<Y>(c[(m - m0) * kCols + j] + (bias ? bias[n] : 0.f));
-    }
 }
 
 #if defined(__AVX512BF16__)
@@ -143,8 +133,11 @@ void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bia
         const char* next = last_of_several && p + 2 < end ? pw + 2 * kCols * K * 2 : nullptr;
         if (np == 2) dpbf16_any<2>(mr, xm, K, pw, c, next);
         else dpbf16_any<1>(mr, xm, K, pw, c, next);
-        for (int q = 0; q < np; ++q)
-          store_panel(c + q * mr * kCols, m0, m0 + mr, p + q, bias, y, N);
+        for (int q = 0; q < np; ++q) {
+          const int64_t n0 = (p + q) * kCols;
+          aotllm::store_panel(c + q * mr * kCols, mr, bias ? bias + n0 : nullptr,
+                              y + m0 * N + n0, N);
+        }
       }
     }
   });
@@ -167,7 +160,8 @@ void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
       const auto* panel = reinterpret_cast<const uint16_t*>(w + p * kCols * K);
       for (int64_t m0 = 0; m0 < Mp; m0 += 4 * kTileRows) {
         amx_rows(Mp - m0, K, xb + m0 * K, panel, c, m0 == 0);  // later blocks: panel in cache
-        store_panel(c, m0, std::min(M, m0 + 4 * kTileRows), p, bias, y, N);
+        aotllm::store_panel(c, std::min(M, m0 + 4 * kTileRows) - m0,
+                            bias ? bias + p * kCols : nullptr, y + m0 * N + p * kCols, N);
       }
     }
     _tile_release();

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -22,8 +23,12 @@ constexpr int64_t kPanel = 16;
 // Measured against the AVX2 kernel built for the same level (SmolLM2's 30 layers of linears
 // from memory, 2 threads, AVX-512 forced on an Intel Xeon with AMX, two rounds, ms): 16 rows
 // 28.1-28.2 -> 22.0-23.2 (its LM head 5.7 -> 4.5-4.7), 64 rows 83-84 -> 66-69, 8 rows
-// 17.3-17.9 -> 15.5-16.5; 1 row level (memory bound).
-constexpr int64_t kRows = 16;
+// 17.3-17.9 -> 15.5-16.5; 1 row level (memory bound). Up to 28 rows a pass (28 accumulators,
+// the widened k and room to spare): a prompt's rows widen each panel once per 28 rows, not 16
+// (one thread, weights in cache, AVX-512 forced on the Xeon, GFLOP/s over SmolLM2's four
+// shapes, three rounds each: 128 rows 121-141 -> 129-151, 512 rows 107-139 -> 121-138); a
+// decode step of up to 16 sequences is one pass of its rows, as before.
+constexpr int64_t kRows = 28;
 #else
 // At most 5 rows a pass: 10 accumulators, 2 weight vectors, a broadcast and the zero the
 // bf16 widening unpacks against. At 6 rows (12 accumulators) the 16 AVX2 registers are
@@ -32,6 +37,21 @@ constexpr int64_t kRows = 16;
 // against 48 ms without the spill).
 constexpr int64_t kRows = 5;
 #endif
+
+// x [M, K] (row-major) packed for passes of `rows` rows: the pass from row m (mr rows, the
+// last may have fewer) at out + m * K, its element [k][r] at k * mr + r. Why: the kernel's
+// broadcasts then read one pointer at fixed offsets. From MR row pointers (x + m * ldx),
+// 16 at AVX-512, GCC ran out of general registers, kept the pointers in vector registers
+// and moved one back per FMA: a vmovq on the FMA port and a reload from the stack in every
+// k-step (perf annotate, AVX-512 forced on an Intel Xeon with AMX).
+inline void pack_rows(const float* x, int64_t M, int64_t K, int64_t rows, float* out) {
+  for (int64_t m = 0; m < M; m += rows) {
+    const int64_t mr = std::min(rows, M - m);
+    float* o = out + m * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < mr; ++r) o[k * mr + r] = x[(m + r) * K + k];
+  }
+}
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
@@ -47,31 +67,26 @@ inline __m512 widen16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-constexpr int64_t kPermId[kPanel] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-// Output lane i holds column perm()[i] of the panel: in order here.
-template <typename W>
-constexpr const int64_t* perm() {
-  return kPermId;
-}
 
-// out[m][i] = sum_k x[m][k] * panel[k][i], for MR rows of x (ldx apart) and K values of k;
-// with `add`, the sums are added to what out holds (a panel taken in chunks of K). With
+// out[m][i] = sum_k x[k][m] * panel[k][i], for MR rows of x (packed: pack_rows) and K values
+// of k; with `add`, the sums are added to what out holds (a panel taken in chunks of K). With
 // kPrefetch, each k also prefetches the line at pf + k * pf_step: the caller's share of the
 // next panel for this pass (panel_gemm's note). Each sum takes its k in order, one FMA a k,
 // as the AVX2 kernel's: the two give the same bits.
 template <int64_t MR, bool kPrefetch, typename W>
-inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float* out, bool add,
+inline void panel_rows(const float* x, int64_t K, const W* p, float* out, bool add,
                        const char* pf, int64_t pf_step) {
   __m512 c[MR];
-#pragma GCC unroll 16
+#pragma GCC unroll 28
   for (int64_t m = 0; m < MR; ++m) c[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 w = widen16(p + k * kPanel);
     if constexpr (kPrefetch) _mm_prefetch(pf + k * pf_step, _MM_HINT_T0);
-#pragma GCC unroll 16
-    for (int64_t m = 0; m < MR; ++m) c[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, c[m]);
+    const float* xk = x + k * MR;
+#pragma GCC unroll 28
+    for (int64_t m = 0; m < MR; ++m) c[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), w, c[m]);
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 28
   for (int64_t m = 0; m < MR; ++m) {
     if (add) c[m] = _mm512_add_ps(c[m], _mm512_loadu_ps(out + m * kPanel));
     _mm512_storeu_ps(out + m * kPanel, c[m]);
@@ -79,8 +94,9 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // One k of a full panel as two float vectors. For bf16, unpacking against zero within each
-// 128-bit lane is the cheapest widening (one load, two shuffles) and yields the columns in
-// the order kPerm names; fp16 and float32 come out in order.
+// 128-bit lane is the cheapest widening (one load, two shuffles): lo holds columns 0-3 and
+// 8-11, hi 4-7 and 12-15 (panel_rows puts them in order once, at its end); fp16 and float32
+// come out in order.
 inline void widen(const at::BFloat16* p, __m256& lo, __m256& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
@@ -94,20 +110,13 @@ inline void widen(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
   hi = _mm256_loadu_ps(p + 8);
 }
-// Output lane i of the two accumulators holds column kPerm[i] of the panel.
-constexpr int64_t kPermBf16[kPanel] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-constexpr int64_t kPermId[kPanel] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-template <typename W>
-constexpr const int64_t* perm() {
-  return std::is_same_v<W, at::BFloat16> ? kPermBf16 : kPermId;
-}
 
-// out[m][i] (lane order) = sum_k x[m][k] * panel[k][perm[i]], for MR rows of x (ldx apart)
-// and K values of k; with `add`, the sums are added to what out holds (a panel taken in
-// chunks of K). With kPrefetch, each k also prefetches the line at pf + k * pf_step: the
-// caller's share of the next panel for this pass (panel_gemm's note).
+// out[m][i] = sum_k x[k][m] * panel[k][i], for MR rows of x (packed: pack_rows) and K values
+// of k; with `add`, the sums are added to what out holds (a panel taken in chunks of K). With
+// kPrefetch, each k also prefetches the line at pf + k * pf_step: the caller's share of the
+// next panel for this pass (panel_gemm's note).
 template <int64_t MR, bool kPrefetch, typename W>
-inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float* out, bool add,
+inline void panel_rows(const float* x, int64_t K, const W* p, float* out, bool add,
                        const char* pf, int64_t pf_step) {
   __m256 c0[MR], c1[MR];
 #pragma GCC unroll 8
@@ -118,13 +127,18 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float
     if constexpr (kPrefetch) _mm_prefetch(pf + k * pf_step, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int64_t m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      const __m256 xb = _mm256_broadcast_ss(x + k * MR + m);
       c0[m] = _mm256_fmadd_ps(xb, w0, c0[m]);
       c1[m] = _mm256_fmadd_ps(xb, w1, c1[m]);
     }
   }
 #pragma GCC unroll 8
   for (int64_t m = 0; m < MR; ++m) {
+    if constexpr (std::is_same_v<W, at::BFloat16>) {  // widen's lane order to column order
+      const __m256 lo = _mm256_permute2f128_ps(c0[m], c1[m], 0x20);
+      c1[m] = _mm256_permute2f128_ps(c0[m], c1[m], 0x31);
+      c0[m] = lo;
+    }
     if (add) {
       c0[m] = _mm256_add_ps(c0[m], _mm256_loadu_ps(out + m * kPanel));
       c1[m] = _mm256_add_ps(c1[m], _mm256_loadu_ps(out + m * kPanel + 8));
@@ -139,21 +153,21 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* p, float
 #if defined(__AVX2__) && defined(__FMA__)
 // panel_rows<mr> for 1 <= mr <= MR (MR: kRows, counted down).
 template <bool kPrefetch, typename W, int64_t MR = kRows>
-inline void panel_pass(int64_t mr, const float* x, int64_t ldx, int64_t K, const W* p,
-                       float* out, bool add, const char* pf, int64_t pf_step) {
+inline void panel_pass(int64_t mr, const float* x, int64_t K, const W* p, float* out, bool add,
+                       const char* pf, int64_t pf_step) {
   if constexpr (MR > 1) {
-    if (mr < MR) return panel_pass<kPrefetch, W, MR - 1>(mr, x, ldx, K, p, out, add, pf, pf_step);
+    if (mr < MR) return panel_pass<kPrefetch, W, MR - 1>(mr, x, K, p, out, add, pf, pf_step);
   }
-  panel_rows<MR, kPrefetch>(x, ldx, K, p, out, add, pf, pf_step);
+  panel_rows<MR, kPrefetch>(x, K, p, out, add, pf, pf_step);
 }
 
-// One pass of mr <= kRows rows over a panel; `pf` (or null): what to prefetch meanwhile.
+// One pass of mr <= kRows rows over a panel, the rows packed k-major (pack_rows: x[k][mr]);
+// `pf` (or null): what to prefetch meanwhile.
 template <typename W>
-inline void panel_block(int64_t mr, const float* x, int64_t ldx, int64_t K, const W* p,
-                        float* out, bool add = false, const char* pf = nullptr,
-                        int64_t pf_step = 0) {
-  if (pf != nullptr) panel_pass<true>(mr, x, ldx, K, p, out, add, pf, pf_step);
-  else panel_pass<false>(mr, x, ldx, K, p, out, add, nullptr, 0);
+inline void panel_block(int64_t mr, const float* x, int64_t K, const W* p, float* out,
+                        bool add = false, const char* pf = nullptr, int64_t pf_step = 0) {
+  if (pf != nullptr) panel_pass<true>(mr, x, K, p, out, add, pf, pf_step);
+  else panel_pass<false>(mr, x, K, p, out, add, nullptr, 0);
 }
 #endif
 

@@ -27,6 +27,7 @@
 
 #include "panel_kernel.h"
 #include "prefetch.h"
+#include "store_panel.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -57,15 +58,20 @@ template <typename W, typename Y>
 void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, const float* bias,
                 Y* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  // Rows split evenly into passes of at most kRows (16 rows: 4 x 4, not 5 + 5 + 5 + 1).
+  // Rows split evenly into passes of at most kRows (AVX2's 16 rows: 4 x 4, not 5 + 5 + 5 + 1).
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
+#if defined(__AVX2__) && defined(__FMA__)
+  // The vector kernel reads its rows packed (pack_rows); one row is packed as it is.
+  std::vector<float> packed(M > 1 ? M * K : 0);
+  if (M > 1) pack_rows(x, M, K, rows, packed.data());
+  const float* xp = M > 1 ? packed.data() : x;
+#endif
   aotllm::parallel_chunks(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel, nr = std::min(kPanel, N - n0);
       const W* panel = w + n0 * K;
 #if defined(__AVX2__) && defined(__FMA__)
       if (nr == kPanel) {
-        const int64_t* order = perm<W>();
         float blk[kRows * kPanel];
         // The next panel is prefetched while this one is computed, 1/passes of it in each
         // pass: the passes after the first read this panel from L1, and the hardware
@@ -77,14 +83,8 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
         for (int64_t m = 0, pass = 0; m < M; m += rows, ++pass) {
           const int64_t mr = std::min(rows, M - m);
           const PanelShare next = next_panel_share(panel, bytes, p + 1 == panels, pass, passes);
-          panel_block(mr, x + m * K, K, K, panel, blk, false, next.at, next.bytes / K);
-          for (int64_t r = 0; r < mr; ++r) {
-            Y* yr = y + (m + r) * N + n0;
-            for (int64_t i = 0; i < kPanel; ++i) {
-              const float add = bias ? bias[n0 + order[i]] : 0.f;
-              yr[order[i]] = static_cast<Y>(blk[r * kPanel + i] + add);
-            }
-          }
+          panel_block(mr, xp + m * K, K, panel, blk, false, next.at, next.bytes / K);
+          store_panel(blk, mr, bias ? bias + n0 : nullptr, y + m * N + n0, N);
         }
         continue;
       }

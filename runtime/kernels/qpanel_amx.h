@@ -16,6 +16,7 @@
 #include "parallel.h"
 #include "amx_tiles.h"
 #include "qpanel_dequant.h"
+#include "store_panel.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 namespace aotllm {
@@ -37,11 +38,8 @@ void gemm_qpanels_amx(const QWeight& w, const at::BFloat16* x, const float* bias
       for (int64_t r = 0; r < runs; ++r, gc.next()) dequant_run_tile(w, p, r, gc.g, pb + r * 512);
       for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
         amx_rows(Mp - m0, K, xb + m0 * K, pb, c, false);  // the panel is in cache: no prefetch
-        for (int64_t m = m0; m < std::min(M, m0 + 64); ++m)
-          for (int64_t j = 0; j < kVCols; ++j) {
-            const int64_t n = p * kVCols + j;
-            y[m * w.N + n] = static_cast<Y>(c[(m - m0) * kVCols + j] + (bias ? bias[n] : 0.f));
-          }
+        store_panel(c, std::min(M, m0 + 64) - m0, bias ? bias + p * kVCols : nullptr,
+                    y + m0 * w.N + p * kVCols, w.N);
       }
     }
     _tile_release();

@@ -328,7 +328,8 @@ void gemm_qpanels_int8(const QWeight& w, const X* x, const float* bias, Y* y, in
           case 2: panel_pass<2>(w, p, wp, xqp + m0 * K, xsp + m0 * runs, out, next); break;
           default: panel_pass<1>(w, p, wp, xqp + m0 * K, xsp + m0 * runs, out, next);
         }
-        store_panel(out, bias, p, m0, mr, w.N, y);
+        store_panel(out, mr, bias ? bias + p * kCols : nullptr, y + m0 * w.N + p * kCols,
+                    w.N);
       }
     }
   });
@@ -367,7 +368,8 @@ void gemm_qpanels_int4(const QWeight& w, const X* x, const float* bias, Y* y, in
         else
           quad_rows<true, kSym>(mr, w, p, wp, xqp + m0 * K, xsp + m0 * runs, isp + m0 * runs,
                                 fm, out, next);
-        store_panel(out, bias, p, m0, mr, w.N, y);
+        store_panel(out, mr, bias ? bias + p * kCols : nullptr, y + m0 * w.N + p * kCols,
+                    w.N);
       }
     }
   });

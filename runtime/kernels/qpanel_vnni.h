@@ -19,6 +19,7 @@
 
 #include "parallel.h"
 #include "prefetch.h"
+#include "store_panel.h"
 #include "quant_weight.h"
 
 #include <algorithm>
@@ -44,17 +45,6 @@ struct Int8Runs {
   }
   float* fsum_or_null() { return fsum.empty() ? nullptr : fsum.data(); }
 };
-
-// Panel p's float32 sums out [mr, 16] (rows m0 .. m0 + mr - 1) into y, with the bias, in y's dtype.
-template <typename Y>
-inline void store_panel(const float* out, const float* bias, int64_t p, int64_t m0, int64_t mr,
-                        int64_t N, Y* y) {
-  for (int64_t m = 0; m < mr; ++m)
-    for (int64_t j = 0; j < kPanelCols; ++j) {
-      const int64_t n = p * kPanelCols + j;
-      y[(m0 + m) * N + n] = static_cast<Y>(out[m * kPanelCols + j] + (bias ? bias[n] : 0.f));
-    }
-}
 
 #endif
 
@@ -344,7 +334,8 @@ void gemm_int8_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_
         const int64_t mr = std::min(kVRows8, M - m0);
         const VnniX xm{vx.xq + m0 * K, vx.xs + m0 * runs, vx.isum + m0 * runs, nullptr};
         pass_int8_any(mr, w, p, wp, xm, out);
-        store_panel(out, bias, p, m0, mr, w.N, y);
+        store_panel(out, mr, bias ? bias + p * kPanelCols : nullptr,
+                    y + m0 * w.N + p * kPanelCols, w.N);
       }
     }
   });
@@ -368,7 +359,8 @@ void gemm_int4_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_
                        vx.fsum ? vx.fsum + m0 * runs : nullptr};
         if (w.mins) pass_int4_any<false>(mr, w, p, wp, xm, out);
         else pass_int4_any<true>(mr, w, p, wp, xm, out);
-        store_panel(out, bias, p, m0, mr, w.N, y);
+        store_panel(out, mr, bias ? bias + p * kPanelCols : nullptr,
+                    y + m0 * w.N + p * kPanelCols, w.N);
       }
     }
   });

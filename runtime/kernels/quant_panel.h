@@ -18,6 +18,7 @@
 #include "parallel.h"
 #include "panel_kernel.h"
 #include "quant_weight.h"
+#include "store_panel.h"
 
 namespace aotllm {
 
@@ -97,6 +98,8 @@ inline void gemm_quant_panels(const QWeight& w, const float* x, int64_t M, const
                               float* y) {
   const int64_t K = w.K, N = w.N, panels = N / kPanel;
   const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
+  std::vector<float> xp(M * K);
+  pack_rows(x, M, K, rows, xp.data());
   aotllm::parallel_chunks(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> panel(kPanel * kChunk), s(kPanel * w.groups), mn(kPanel * w.groups);
     std::vector<float> acc(M * kPanel);  // [M, 16]: the panel's outputs
@@ -106,13 +109,13 @@ inline void gemm_quant_panels(const QWeight& w, const float* x, int64_t M, const
       for (int64_t kb = 0; kb < K; kb += kChunk) {
         const int64_t ke = std::min(K, kb + kChunk);
         dequant_panel(w, n0, kb, ke, s.data(), mn.data(), panel.data());
-        for (int64_t m = 0; m < M; m += rows)
-          panel_block(std::min(rows, M - m), x + m * K + kb, K, ke - kb, panel.data(),
+        for (int64_t m = 0; m < M; m += rows) {
+          const int64_t mr = std::min(rows, M - m);
+          panel_block(mr, xp.data() + m * K + kb * mr, ke - kb, panel.data(),
                       acc.data() + m * kPanel, kb > 0);
+        }
       }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < kPanel; ++i)
-          y[m * N + n0 + i] = acc[m * kPanel + i] + (bias ? bias[n0 + i] : 0.f);
+      store_panel(acc.data(), M, bias ? bias + n0 : nullptr, y + n0, N);
     }
   });
   // The rows past the last full panel (N % 16), one at a time.

@@ -192,6 +192,36 @@ def test_panel_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: 
     assert got3.shape == (1, m, n) and torch.equal(got3[0], got)
 
 
+def _bf16_bits_as_c10_casts(v: torch.Tensor) -> torch.Tensor:
+    """c10::BFloat16(float) bit for bit: round to nearest even on the bits, NaN as 0x7FC0
+    (torch's vectorized .bfloat16() may give other NaN bits, or flush denormals)."""
+    u = v.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return torch.where(torch.isnan(v), torch.full_like(r, 0x7FC0), r)
+
+
+# Outputs whose float32 sums are exactly the bias: ties to even up and down, denormals, signed
+# zeros, infinities, NaN, a float32 above bf16's largest (rounds to inf), ordinary values.
+_ROUNDING_CASES = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e-40, -3e-39, -0.0, 0.0,
+                   float("inf"), float("-inf"), float("nan"), 3.4e38, 1 / 3, -2.7182817,
+                   65504.5, 1e-20, 7.0]
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 20])
+def test_panel_outputs_round_as_the_scalar_cast(lib: Path, m: int) -> None:
+    """The kernel stores its sums 16 lanes at a time: bf16 outputs must carry the bits a scalar
+    c10 cast gives, float32 ones the sums themselves."""
+    k, n = 32, 2 * len(_ROUNDING_CASES)
+    bias = torch.tensor(_ROUNDING_CASES * 2, dtype=torch.float32)
+    x, w = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+    want = torch.zeros(m, n) + bias  # the sums are +0: -0.0 + 0 comes out +0, as in the kernel
+    got = torch.ops.aotllm.linear_panel(x, pack_panels(w), bias)
+    got_bits = got.view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(got_bits, _bf16_bits_as_c10_casts(want))
+    got32 = torch.ops.aotllm.linear_panel(x, pack_panels(w), bias, True)
+    assert torch.equal(got32.view(torch.int32), want.view(torch.int32))
+
+
 def _run_ranks(lib: Path, size: int, mode: str, tmp: Path) -> list[subprocess.CompletedProcess[str]]:
     name = f"/aotllm-test-{secrets.token_hex(4)}"
     out = tmp / "out.json"
