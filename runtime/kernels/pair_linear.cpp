@@ -11,7 +11,8 @@
 //
 // Where the tile state is refused (amx_ready), and on AVX512-BF16 targets without AMX, the
 // weights go through `vdpbf16ps`: a pair of k for a panel's 16 columns is one vector,
-// multiplied by a broadcast pair of x, up to 8 rows and 2 panels a pass (dpbf16_rows).
+// multiplied by a broadcast pair of x, up to 8 rows and 2 panels a pass, or 4 rows and 4
+// panels (dpbf16_rows).
 // Other targets and dtypes (never built so, but tests run anywhere) take plain loops over
 // the same order.
 //
@@ -97,22 +98,17 @@ void dpbf16_rows(const int32_t* xp, int64_t K, const char* pw, float* c, const c
     for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + (q * MR + r) * kCols, acc[r][q]);
 }
 
-template <int NP>
+constexpr int64_t kMR = 8;  // rows a vdpbf16ps pass
+
+// dpbf16_rows<mr, NP> for 1 <= mr <= MR (counted down; at most 16 accumulators).
+template <int NP, int MR = std::min<int>(kMR, 16 / NP)>
 void dpbf16_any(int64_t mr, const int32_t* xp, int64_t K, const char* pw, float* c,
                 const char* next) {
-  switch (mr) {
-    case 1: dpbf16_rows<1, NP>(xp, K, pw, c, next); break;
-    case 2: dpbf16_rows<2, NP>(xp, K, pw, c, next); break;
-    case 3: dpbf16_rows<3, NP>(xp, K, pw, c, next); break;
-    case 4: dpbf16_rows<4, NP>(xp, K, pw, c, next); break;
-    case 5: dpbf16_rows<5, NP>(xp, K, pw, c, next); break;
-    case 6: dpbf16_rows<6, NP>(xp, K, pw, c, next); break;
-    case 7: dpbf16_rows<7, NP>(xp, K, pw, c, next); break;
-    default: dpbf16_rows<8, NP>(xp, K, pw, c, next); break;
+  if constexpr (MR > 1) {
+    if (mr < MR) return dpbf16_any<NP, MR - 1>(mr, xp, K, pw, c, next);
   }
+  dpbf16_rows<MR, NP>(xp, K, pw, c, next);
 }
-
-constexpr int64_t kMR = 8;  // rows a vdpbf16ps pass
 
 template <typename Y>
 void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, Y* y,
@@ -120,20 +116,28 @@ void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bia
   const auto* xp = reinterpret_cast<const int32_t*>(x);
   // Rows split evenly into passes of at most kMR (12 rows: 6 + 6, not 8 + 4).
   const int64_t passes = (M + kMR - 1) / kMR, rows = (M + passes - 1) / passes;
-  // Chunks of whole panel pairs (grain 2): a pass takes two panels where two are left.
-  aotllm::parallel_chunks(0, N / kCols, 2, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[2 * kMR * kCols];
-    for (int64_t p = begin; p < end; p += 2) {
+  // Up to 4 rows (a decode step of 1-4 sequences) take 4 panels a pass, more rows 2: four
+  // chains and four streams of loads in flight, as panel_linear.cpp's panel_group, for
+  // the same bits (each row and panel is one chain either way). Measured (SmolLM2's 30
+  // layers of linears and its LM head from memory, 2 threads, AVX512-BF16 forced on an
+  // Intel Xeon with AMX, two rounds, ms): 4 rows 18.7 -> 14.5-14.6, 2 rows 15.4-15.6 ->
+  // 13.9-14.3; 1 row 12.5-13.7 -> 10.3-13.2 (noisy, within the noise).
+  const int64_t group = rows <= 4 ? 4 : 2;
+  // Chunks of whole groups: a pass takes a group of panels where one is left.
+  aotllm::parallel_chunks(0, N / kCols, group, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[16 * kCols];  // [np][mr][16], np * mr <= 16
+    for (int64_t p = begin, np = 0; p < end; p += np) {
+      np = p + group <= end ? group : std::min<int64_t>(2, end - p);
       const char* pw = reinterpret_cast<const char*>(w + p * kCols * K);
-      const int np = p + 1 < end ? 2 : 1;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t mr = std::min<int64_t>(rows, M - m0);
         const int32_t* xm = xp + m0 * K / 2;
         const bool last_of_several = m0 > 0 && m0 + mr == M;
-        const char* next = last_of_several && p + 2 < end ? pw + 2 * kCols * K * 2 : nullptr;
-        if (np == 2) dpbf16_any<2>(mr, xm, K, pw, c, next);
+        const char* next = last_of_several && p + np < end ? pw + np * kCols * K * 2 : nullptr;
+        if (np == 4) dpbf16_any<4>(mr, xm, K, pw, c, next);
+        else if (np == 2) dpbf16_any<2>(mr, xm, K, pw, c, next);
         else dpbf16_any<1>(mr, xm, K, pw, c, next);
-        for (int q = 0; q < np; ++q) {
+        for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * kCols;
           aotllm::store_panel(c + q * mr * kCols, mr, bias ? bias + n0 : nullptr,
                               y + m0 * N + n0, N);
@@ -152,11 +156,22 @@ void pairs_amx(const at::BFloat16* x, const at::BFloat16* w, const float* bias, 
   std::vector<at::BFloat16> xpad;
   const at::BFloat16* xb = pad_rows(x, M, K, xpad);
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
+  // One block of rows takes kAmxPanels panels a pass (amx_panels), in chunks of whole groups.
+  const bool grouped = Mp == kTileRows;
   // Tiles configured and released per chunk: a few hundred cycles against a chunk's panels.
-  aotllm::parallel_chunks(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grouped ? kAmxPanels : 1;
+  aotllm::parallel_chunks(0, N / kCols, grain, [&](int64_t begin, int64_t end) {
     amx_config();
     alignas(64) float c[4 * kTileRows * kCols];
-    for (int64_t p = begin; p < end; ++p) {
+    int64_t p = begin;
+    for (; grouped && p + kAmxPanels <= end; p += kAmxPanels) {
+      amx_panels(K, xb, reinterpret_cast<const uint16_t*>(w + p * kCols * K), kCols * K, c);
+      for (int64_t q = 0; q < kAmxPanels; ++q) {
+        const int64_t n0 = (p + q) * kCols;
+        aotllm::store_panel(c + q * kTileRows * kCols, M, bias ? bias + n0 : nullptr, y + n0, N);
+      }
+    }
+    for (; p < end; ++p) {
       const auto* panel = reinterpret_cast<const uint16_t*>(w + p * kCols * K);
       for (int64_t m0 = 0; m0 < Mp; m0 += 4 * kTileRows) {
         amx_rows(Mp - m0, K, xb + m0 * K, panel, c, m0 == 0);  // later blocks: panel in cache

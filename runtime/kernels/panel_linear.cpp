@@ -65,9 +65,28 @@ void panel_gemm(const float* x, int64_t M, int64_t K, int64_t N, const W* w, con
   std::vector<float> packed(M > 1 ? M * K : 0);
   if (M > 1) pack_rows(x, M, K, rows, packed.data());
   const float* xp = M > 1 ? packed.data() : x;
+  // A few rows take the full panels kGroupPanels at a time (panel_group); chunks start on a
+  // group so that every group but the last chunk's tail is whole.
+  const bool grouped = M <= kGroupRows;
+  const int64_t full = N / kPanel, grain = grouped ? kGroupPanels : 1;
+#else
+  const int64_t grain = 1;
 #endif
-  aotllm::parallel_chunks(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
+  aotllm::parallel_chunks(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    int64_t p = p0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (grouped) {
+      float blk[kGroupPanels * kGroupRows * kPanel];  // [kGroupPanels][M][kPanel]
+      for (; p + kGroupPanels <= std::min(p1, full); p += kGroupPanels) {
+        panel_group(M, xp, K, w + p * kPanel * K, kPanel * K, blk);
+        for (int64_t i = 0; i < kGroupPanels; ++i) {
+          const int64_t n0 = (p + i) * kPanel;
+          store_panel(blk + i * M * kPanel, M, bias ? bias + n0 : nullptr, y + n0, N);
+        }
+      }
+    }
+#endif
+    for (; p < p1; ++p) {
       const int64_t n0 = p * kPanel, nr = std::min(kPanel, N - n0);
       const W* panel = w + n0 * K;
 #if defined(__AVX2__) && defined(__FMA__)

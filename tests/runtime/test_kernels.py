@@ -192,6 +192,25 @@ def test_panel_linear_kernel_matches_f_linear(lib: Path, dtype: torch.dtype, m: 
     assert got3.shape == (1, m, n) and torch.equal(got3[0], got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [960, 200, 4104])
+def test_a_row_gets_the_same_bits_beside_any_other_rows(lib: Path, dtype: torch.dtype,
+                                                        n: int) -> None:
+    """A few rows take several panels a pass (panel_group), more rows one panel a pass, and a
+    chunk's or the weight's last panels go one at a time: a row's outputs must be the same
+    bits whichever way it went and whatever rows ran beside it, or a sequence's tokens would
+    change with the server's load."""
+    torch.manual_seed(n)
+    k = 576
+    x, w = torch.randn(20, k).to(dtype), pack_panels((torch.randn(n, k) / k**0.5).to(dtype))
+    b = torch.randn(n).to(dtype)
+    for float_out in (False, True):
+        alone = torch.cat([torch.ops.aotllm.linear_panel(x[i : i + 1], w, b, float_out)
+                           for i in range(len(x))])
+        for m in (2, 3, 4, 5, 8, 16, 20):
+            assert torch.equal(torch.ops.aotllm.linear_panel(x[:m], w, b, float_out), alone[:m])
+
+
 def _bf16_bits_as_c10_casts(v: torch.Tensor) -> torch.Tensor:
     """c10::BFloat16(float) bit for bit: round to nearest even on the bits, NaN as 0x7FC0
     (torch's vectorized .bfloat16() may give other NaN bits, or flush denormals)."""
