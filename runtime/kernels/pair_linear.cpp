@@ -121,7 +121,7 @@ void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bia
   // the same bits (each row and panel is one chain either way). Measured (SmolLM2's 30
   // layers of linears and its LM head from memory, 2 threads, AVX512-BF16 forced on an
   // Intel Xeon with AMX, two rounds, ms): 4 rows 18.7 -> 14.5-14.6, 2 rows 15.4-15.6 ->
-  // 13.9-14.3; 1 row 12.5-13.7 -> 10.3-13.2 (noisy, within the noise).
+  // 13.9-14.3; 1 row within the host's noise (12.5-13.7 -> 10.3-13.3).
   const int64_t group = rows <= 4 ? 4 : 2;
   // Chunks of whole groups: a pass takes a group of panels where one is left.
   aotllm::parallel_chunks(0, N / kCols, group, [&](int64_t begin, int64_t end) {
