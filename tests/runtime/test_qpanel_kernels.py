@@ -62,11 +62,16 @@ def sees_int8_x(spec: QuantSpec, dtype: torch.dtype, rows: int) -> bool:
 
 
 def sees_bf16_w(spec: QuantSpec, dtype: torch.dtype, rows: int) -> bool:
-    """Whether linear_qpanel takes AMX tiles for this call on this host: bf16 x, from 8 rows
-    (int4) or 16 (int8) (qpanel_linear.cpp kAmxMinRows4/8), each weight dequantized and
-    rounded once to bf16 (q x s (+ min)) for the tiles (qpanel_amx.h)."""
-    amx = host_cpu_target().isa == "amx" and dtype == torch.bfloat16
-    return amx and rows >= (8 if spec.kind == "int4" else 16)
+    """Whether linear_qpanel multiplies bf16 x by each weight dequantized and rounded once to
+    bf16 (q x s (+ min)) for this call on this host: AMX tiles from 8 rows (int4) or 16
+    (int8) (qpanel_linear.cpp kAmxMinRows4/8, qpanel_amx.h), and int8 weights from 16 rows on
+    AVX512-BF16 targets through `vdpbf16ps` (kDpbf16MinRows8, pair_kernel.h)."""
+    isa = host_cpu_target().isa
+    if dtype != torch.bfloat16:
+        return False
+    if isa == "amx":
+        return rows >= (8 if spec.kind == "int4" else 16)
+    return isa == "avx512_bf16" and spec.kind == "int8" and rows >= 16
 
 
 def int4_reference(x: torch.Tensor, w: torch.Tensor, mins: torch.Tensor | None, group: int,
@@ -112,6 +117,35 @@ def test_pair_panel_linear_matches_the_reference(lib: Path, spec: QuantSpec, dty
     torch.testing.assert_close(torch.ops.aotllm.linear_qpanel(x3, q, s, m, b, qt.group),
                                torch.ops.aotllm.linear_qpanel(x3.reshape(6, k), q, s, m, b,
                                                               qt.group).reshape(2, 3, n))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", 32), QuantSpec("int4", 32),
+                                  QuantSpec("int4", 64, zero_point=True)], ids=lambda s: s.describe())
+def test_an_output_gets_the_same_bits_beside_any_other_rows_and_panels(lib: Path,
+                                                                      spec: QuantSpec) -> None:
+    """The passes take several rows and (int8) two panels at a time; a row's outputs, and a
+    panel's, must not depend on which rows or panels share its pass (speculation verifies k
+    tokens in one call and must match plain decode bit for bit). Row counts stay below the
+    AMX thresholds (8 rows int4, 16 int8), where an AMX host switches kernels by design."""
+    if host_cpu_target().isa == "baseline":
+        pytest.skip("baseline targets have no passes: W is dequantized for at::linear's GEMM")
+    torch.manual_seed(7)
+    n, k = 80, 576  # 5 panels: two pairs and one alone; drop the first and each pairs anew
+    p = quantize(torch.randn(n, k) / k**0.5, spec).packed()
+    q, s, m = p["qweight"], p["scales"], p.get("mins")
+    full = pack_qpanels(q, s, m)
+    less = pack_qpanels(q[16:].contiguous(), s[16:].contiguous(), None if m is None else m[16:].contiguous())
+    rows = 7 if spec.kind == "int4" else 15
+    x = torch.randn(rows, k)
+    x[:, ::97] *= 50
+    x = x.to(torch.bfloat16)
+    # float32 out (the LM head's logits): bf16 out would round most differences away
+    together = torch.ops.aotllm.linear_qpanel(x, *full, None, spec.group_size, True)
+    for r in range(rows):
+        alone = torch.ops.aotllm.linear_qpanel(x[r : r + 1], *full, None, spec.group_size, True)
+        assert torch.equal(alone[0], together[r]), r
+    shifted = torch.ops.aotllm.linear_qpanel(x, *less, None, spec.group_size, True)
+    assert torch.equal(shifted, together[:, 16:])
 
 
 def test_a_shard_packs_only_what_fits_and_the_layer_agrees() -> None:
