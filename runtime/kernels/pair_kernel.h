@@ -53,6 +53,13 @@ void dpbf16_rows(const int32_t* xp, int64_t K, const char* pw, float* c, const c
 
 constexpr int64_t kMR = 8;  // rows a vdpbf16ps pass
 
+// Rows a pass for M input rows: split evenly into passes of at most kMR (12 rows: 6 + 6, not
+// 8 + 4).
+inline int64_t dpbf16_pass_rows(int64_t M) {
+  const int64_t passes = (M + kMR - 1) / kMR;
+  return (M + passes - 1) / passes;
+}
+
 // dpbf16_rows<mr, NP> for 1 <= mr <= MR (counted down; at most 16 accumulators).
 template <int NP, int MR = std::min<int>(kMR, 16 / NP)>
 void dpbf16_any(int64_t mr, const int32_t* xp, int64_t K, const char* pw, float* c,

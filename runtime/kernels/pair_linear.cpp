@@ -62,14 +62,13 @@ void pairs_generic(const T* x, const T* w, const float* bias, Y* y, int64_t M, i
 
 #if defined(__AVX512BF16__)
 using aotllm::dpbf16_any;
-using aotllm::kMR;
+using aotllm::dpbf16_pass_rows;
 
 template <typename Y>
 void pairs_dpbf16(const at::BFloat16* x, const at::BFloat16* w, const float* bias, Y* y,
                   int64_t M, int64_t N, int64_t K) {
   const auto* xp = reinterpret_cast<const int32_t*>(x);
-  // Rows split evenly into passes of at most kMR (12 rows: 6 + 6, not 8 + 4).
-  const int64_t passes = (M + kMR - 1) / kMR, rows = (M + passes - 1) / passes;
+  const int64_t rows = dpbf16_pass_rows(M);
   // Up to 4 rows (a decode step of 1-4 sequences) take 4 panels a pass, more rows 2: four
   // chains and four streams of loads in flight, as panel_linear.cpp's panel_group, for
   // the same bits (each row and panel is one chain either way). Measured (SmolLM2's 30

@@ -396,13 +396,13 @@ void gemm_qpanels_any(const QWeight& w, const X* x, const float* bias, Y* y, int
 #if defined(__AVX512BF16__)
 // int8 weights x bf16 x [M, K] -> y [M, N]: each panel dequantized once a call (q x s, rounded
 // once to bf16, as the AMX path does: dequant_run_tile) into a thread's buffer of two panels,
-// then the bf16 pair pass of pair_linear.cpp over it.
+// then the bf16 engines' pair pass over it (pair_kernel.h).
 template <typename Y>
 void gemm_qpanels_dpbf16(const QWeight& w, const at::BFloat16* x, const float* bias, Y* y,
                          int64_t M) {
   const int64_t K = w.K, runs = K / kRun;
   const auto* xp = reinterpret_cast<const int32_t*>(x);
-  const int64_t passes = (M + kMR - 1) / kMR, rows = (M + passes - 1) / passes;
+  const int64_t rows = dpbf16_pass_rows(M);
   aotllm::parallel_chunks(0, w.N / kCols, 2, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf(2 * runs * 512 + 32);
     uint16_t* pb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));

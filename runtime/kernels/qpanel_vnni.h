@@ -139,9 +139,10 @@ inline void scale_run(const QWeight& w, int64_t p, int64_t r, int64_t g, const X
 // out [NP][MR][16] float32: MR rows of x (from row 0 of x's arrays) against the int8 pairs of
 // NP panels from p (wp, the first, and those after it, kVCols * K bytes apart). Two panels a
 // pass feed two `vpdpwssd` from each broadcast of x: with one, a batch's passes ran at half
-// the instruction rate of `vpdpwssd` (Zen 5, 143 rows, 30 layers: 56-64 ms; its peak, 2 an
-// instruction a cycle, would take 28; two panels: 51 ms). Integer sums are exact and each (row, panel)'s float
-// sum takes the same runs in the same order, so the bits do not depend on NP or MR.
+// the instruction rate of `vpdpwssd` (Zen 5, 143 rows, 30 layers: 56-64 ms, where its peak,
+// two instructions a cycle, would take 28; two panels: 51 ms). Integer sums are exact and
+// each (row, panel)'s float sum takes the same runs in the same order, so the bits do not
+// depend on NP or MR.
 template <int64_t MR, int64_t NP = 1>
 inline void pass_int8(const QWeight& w, int64_t p, const int8_t* wp, const VnniX& x, float* out) {
   const int64_t K = w.K, runs = K / kRun;
