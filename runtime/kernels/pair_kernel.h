@@ -6,12 +6,16 @@
 #include <algorithm>
 #include <cstdint>
 
+namespace aotllm {
+
+constexpr int64_t kPairCols = 16;  // a panel's columns (contract/layout.py PANEL_COLUMNS)
+
+}  // namespace aotllm
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 namespace aotllm {
-
-constexpr int64_t kPairCols = 16;  // a panel's columns (contract/layout.py PANEL_COLUMNS)
 
 // MR rows of x (pairs of bf16 as int32) against NP adjacent panels from `pw`: c [NP][MR][16].
 // At most 16 accumulators: with 8 rows over 2 panels, one broadcast pair of x feeds two

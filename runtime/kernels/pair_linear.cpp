@@ -39,7 +39,7 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;  // a panel's columns (contract/layout.py PANEL_COLUMNS)
+constexpr int64_t kCols = aotllm::kPairCols;
 
 // Element (n, k) of W in pair panels.
 inline int64_t pair_index(int64_t K, int64_t n, int64_t k) {

@@ -301,30 +301,15 @@ inline void pass_int4(const QWeight& w, int64_t p, const uint8_t* wp, const Quad
 // Input rows a pass of two int8 panels: 12 int32 + 12 float accumulators.
 constexpr int64_t kVRows8x2 = 6;
 
+// pass_int8<mr, NP> for 1 <= mr <= MR (counted down): kVRows8 rows over one panel,
+// kVRows8x2 over two.
+template <int64_t NP = 1, int64_t MR = NP == 1 ? kVRows8 : kVRows8x2>
 inline void pass_int8_any(int64_t mr, const QWeight& w, int64_t p, const int8_t* wp,
                           const VnniX& x, float* out) {
-  switch (mr) {
-    case 1: return pass_int8<1>(w, p, wp, x, out);
-    case 2: return pass_int8<2>(w, p, wp, x, out);
-    case 3: return pass_int8<3>(w, p, wp, x, out);
-    case 4: return pass_int8<4>(w, p, wp, x, out);
-    case 5: return pass_int8<5>(w, p, wp, x, out);
-    case 6: return pass_int8<6>(w, p, wp, x, out);
-    case 7: return pass_int8<7>(w, p, wp, x, out);
-    default: return pass_int8<8>(w, p, wp, x, out);
+  if constexpr (MR > 1) {
+    if (mr < MR) return pass_int8_any<NP, MR - 1>(mr, w, p, wp, x, out);
   }
-}
-
-inline void pass_int8x2_any(int64_t mr, const QWeight& w, int64_t p, const int8_t* wp,
-                            const VnniX& x, float* out) {
-  switch (mr) {
-    case 1: return pass_int8<1, 2>(w, p, wp, x, out);
-    case 2: return pass_int8<2, 2>(w, p, wp, x, out);
-    case 3: return pass_int8<3, 2>(w, p, wp, x, out);
-    case 4: return pass_int8<4, 2>(w, p, wp, x, out);
-    case 5: return pass_int8<5, 2>(w, p, wp, x, out);
-    default: return pass_int8<6, 2>(w, p, wp, x, out);
-  }
+  pass_int8<MR, NP>(w, p, wp, x, out);
 }
 
 template <bool kSym>
@@ -367,8 +352,8 @@ void gemm_int8_512(const QWeight& w, const X* x, const float* bias, Y* y, int64_
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t mr = std::min(rows, M - m0);
         const VnniX xm{vx.xq + m0 * K, vx.xs + m0 * runs, vx.isum + m0 * runs, nullptr};
-        if (np == 2) pass_int8x2_any(mr, w, p, wp, xm, out);
-        else pass_int8_any(mr, w, p, wp, xm, out);
+        if (np == 2) pass_int8_any<2>(mr, w, p, wp, xm, out);
+        else pass_int8_any<1>(mr, w, p, wp, xm, out);
         for (int64_t j = 0; j < np; ++j)
           store_panel(out + j * mr * kVCols, mr, bias ? bias + (p + j) * kPanelCols : nullptr,
                       y + m0 * w.N + (p + j) * kPanelCols, w.N);
