@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from bench.common import RESULTS, loadavg, md_table
-from bench.profile import engine_level
+from bench.profile import engine_level, scheduler_config
 from contract.manifest import read_manifest
-from runtime.core.scheduler import SchedulerConfig
 from runtime.core.types import SamplingParams
 from runtime.dist.comm import Comm
 from runtime.executors.loop import LLMEngine
@@ -42,20 +41,18 @@ def load_engine(engine_dir: Path, comm: Comm) -> tuple[LLMEngine, int]:
     m = read_manifest(engine_dir)
     if m.tp != 1:
         raise SystemExit(f"error: {engine_dir} is a TP={m.tp} engine; this compares TP=1 engines")
-    p = m.profile
-    blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
-    runner, cfg = runner_from_engine(engine_dir, m.backend, m.dtype, TPContext(0, 1), blocks,
-                                     p.tokens_per_block, p.max_num_tokens,
+    sc = scheduler_config(m.profile)
+    runner, cfg = runner_from_engine(engine_dir, m.backend, m.dtype, TPContext(0, 1),
+                                     sc.num_blocks, sc.block_size, sc.max_num_tokens,
                                      files=EngineFiles(engine_dir, m))
-    sc = SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block, blocks,
-                         p.max_seq_len, ())
     return LLMEngine(runner, sc, comm), cfg.vocab_size
 
 
 def first_token_ms(engine: LLMEngine, length: int, vocab: int, tag: str) -> float:
-    """Steps from a `length`-token prompt's arrival to its first token, in ms."""
+    """Steps from a `length`-token prompt's arrival to its first token, in ms (the scheduler
+    keeps no prefix cache: the same prompt again is computed again)."""
     done: list[bool] = []
-    engine.add_request(tag, [(7 * i + len(tag)) % vocab for i in range(length)],
+    engine.add_request(tag, [(7 * i) % vocab for i in range(length)],
                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                        lambda ev: done.append(True))
     t0 = time.perf_counter()

@@ -28,6 +28,7 @@ from bench.common import RESULTS, loadavg, md_table
 from bench.floors import memory_read_gbs
 from contract.layout import KERNELS_LIB
 from contract.manifest import read_manifest
+from contract.profile import BuildProfile
 from runtime import kernels
 from runtime.core.scheduler import SchedulerConfig
 from runtime.core.types import SamplingParams
@@ -59,6 +60,14 @@ class Timers:
 
 def _best_ms(fn: Callable[[], object], repeats: int = 20) -> float:
     return best_seconds(fn, repeats) * 1e3
+
+
+def scheduler_config(p: BuildProfile) -> SchedulerConfig:
+    """A scheduler for the engine's whole profile: KV blocks for max_batch_size sequences of
+    max_seq_len tokens (and the null block), no prefix cache: every prompt is computed."""
+    blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
+    return SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block, blocks,
+                           p.max_seq_len, ())
 
 
 def engine_level(engine: LLMEngine, batch: int, context: int, steps: int,
@@ -227,9 +236,9 @@ def main() -> None:
                          f"{longest} tokens a sequence and --batches up to {max(args.batches)}; "
                          f"this engine holds {p.max_seq_len} tokens and {p.max_batch_size} "
                          "sequences: lower --steps or --context")
-    blocks = p.max_batch_size * p.max_seq_len // p.tokens_per_block + 1
+    sc = scheduler_config(p)
     tp = TPContext(comm.rank, comm.size)
-    runner, cfg = runner_from_engine(args.engine, m.backend, m.dtype, tp, blocks,
+    runner, cfg = runner_from_engine(args.engine, m.backend, m.dtype, tp, sc.num_blocks,
                                      p.tokens_per_block, p.max_num_tokens, files=files)
     transport = "gloo" if comm.size > 1 else "none"
     if comm.size > 1 and files.listed(KERNELS_LIB):
@@ -250,8 +259,6 @@ def main() -> None:
     floor_ms = (weight_bytes - emb * (0 if cfg.tie_word_embeddings else 1)) / (read_gbs * 1e9) * 1e3
     report.update(memory_read_gbs=read_gbs, decode_floor_ms_batch1=floor_ms)
     for b in args.batches:
-        sc = SchedulerConfig(p.max_batch_size, p.max_num_tokens, p.tokens_per_block, blocks,
-                             p.max_seq_len, ())
         engine = LLMEngine(runner, sc, comm)
         eng = engine_level(engine, b, args.context, args.steps, cfg.vocab_size)
         engine.shutdown_workers()
