@@ -93,15 +93,31 @@ def rank_shard(rank: int) -> str:
     return f"rank{rank}.safetensors"
 
 
-def rank_package(rank: int) -> str:
+# A rank's programs (aoti). STEP_PROGRAM runs any step. On a CPU target the build also
+# compiles the same graph as DECODE_PROGRAM, its generated loops (norms, RoPE, KV writes,
+# SwiGLU, residual adds) without OpenMP: a step of a few tokens has a row or two for each
+# of those loops, and the team's wake-up and barriers (five regions a layer) cost more than
+# the rows (runtime/executors/torch.py runs it for steps of up to DECODE_PROGRAM_TOKENS).
+STEP_PROGRAM = ""
+DECODE_PROGRAM = "decode"
+PROGRAMS = (STEP_PROGRAM, DECODE_PROGRAM)
+
+
+def _program(rank: int, program: str) -> str:
+    if program not in PROGRAMS:
+        raise ValueError(f"unknown program {program!r}: one of {PROGRAMS}")
+    return f"rank{rank}.{program}" if program else f"rank{rank}"
+
+
+def rank_package(rank: int, program: str = STEP_PROGRAM) -> str:
     """A rank's AOTInductor package (aoti), as torch writes it (a zip)."""
-    return f"rank{rank}.pt2"
+    return f"{_program(rank, program)}.pt2"
 
 
-def rank_package_dir(rank: int) -> str:
+def rank_package_dir(rank: int, program: str = STEP_PROGRAM) -> str:
     """Rank N's AOTInductor package extracted at build time (aoti): the compiled library
     and its metadata, loaded as they are (no zip to unpack at every start)."""
-    return f"rank{rank}.aoti"
+    return f"{_program(rank, program)}.aoti"
 
 
 def rank_trt_engine(rank: int) -> str:

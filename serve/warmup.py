@@ -38,27 +38,33 @@ def _run(runner: ModelRunner, plan: StepPlan, send: Callable[[StepPlan], None]) 
     return (time.perf_counter() - t0) * 1e3
 
 
+def warm_prefill(runner: ModelRunner, profile: BuildProfile, num_blocks: int,
+                 send: Callable[[StepPlan], None], tokens: int) -> dict[str, float | int | str]:
+    """One throwaway prompt of `tokens` tokens (capped by what one sequence and the cache
+    hold) computed in one step on KV blocks 1.., then freed; returns its shape and time."""
+    bs = profile.tokens_per_block
+    usable = list(range(1, num_blocks))
+    n = min(tokens, profile.max_num_tokens, profile.max_seq_len - 1, len(usable) * bs)
+    sid = _SEQ_BASE
+    plan = StepPlan(0, new_seqs=[NewSeq(sid, [1] * n)],
+                    scheduled=[ScheduledSeq(sid, 0, n, usable[: (n + bs - 1) // bs], True)])
+    ms = _run(runner, plan, send)
+    free = StepPlan(1, freed_seq_ids=[sid])
+    send(free)
+    runner.apply(free)
+    return {"shape": f"prefill {n} tokens", "ms": round(ms, 2)}
+
+
 def warmup_shapes(
     runner: ModelRunner, profile: BuildProfile, num_blocks: int, send: Callable[[StepPlan], None],
     interrupted: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, float | int | str]]:
     """Run every shape; raises Interrupted between two shapes once `interrupted()` is true,
     so a stop signal waits for one step, not for the whole warmup."""
-    bs = profile.tokens_per_block
     usable = list(range(1, num_blocks))
-    done: list[dict[str, float | int | str]] = []
-    step = 0
-
-    # Prefill: the whole token budget in one chunk (capped by what one sequence may hold).
-    n = min(profile.max_num_tokens, profile.max_seq_len - 1, len(usable) * bs)
-    blocks = usable[: (n + bs - 1) // bs]
-    sid = _SEQ_BASE
-    plan = StepPlan(step, new_seqs=[NewSeq(sid, [1] * n)], scheduled=[ScheduledSeq(sid, 0, n, blocks, True)])
-    ms = _run(runner, plan, send)
-    done.append({"shape": f"prefill {n} tokens", "ms": round(ms, 2)})
-    runner.apply(StepPlan(step + 1, freed_seq_ids=[sid]))
-    send(StepPlan(step + 1, freed_seq_ids=[sid]))
-    step += 2
+    # Prefill: the whole token budget in one chunk.
+    done = [warm_prefill(runner, profile, num_blocks, send, profile.max_num_tokens)]
+    step = 2
 
     # Decode: b sequences with a short context each, one token per sequence.
     for b in decode_batch_sizes(min(profile.max_batch_size, len(usable))):

@@ -11,15 +11,26 @@ the server loads (pipeline/compile/extract.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
-from collections.abc import Iterator
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.export import Dim
 
-from contract.layout import KERNELS_LIB, rank_package, rank_package_dir
+from contract.errors import EXIT_FAILURE, BuildError
+from contract.layout import (
+    DECODE_PROGRAM,
+    KERNELS_LIB,
+    STEP_PROGRAM,
+    rank_package,
+    rank_package_dir,
+)
 from contract.profile import BuildProfile
 from contract.quant import NONE, Quantization
 from contract.target import Target
@@ -90,6 +101,71 @@ def _target_configs(target: Target) -> dict[str, object]:
     return {"cpp.march": MARCH[target.isa or "baseline"]}
 
 
+def inductor_configs(target: Target, program: str, use_kernels: bool) -> dict[str, object]:
+    return {
+        "aot_inductor.package_constants_in_so": False,
+        # Inductor otherwise inlines tiny parameters as literals: the vocabulary offset
+        # would be rank 0's in every rank's program.
+        "always_keep_tensor_constants": True,
+        **_target_configs(target),
+        # our ops called through their C entry points, not the proxy executor
+        "aot_inductor.custom_ops_to_c_shims": kernels.c_shims() if use_kernels else {},
+        # the decode program: the generated loops without OpenMP (contract/layout.py)
+        **({"cpp.threads": 1} if program == DECODE_PROGRAM else {}),
+    }
+
+
+def compile_program(ep: torch.export.ExportedProgram, path: Path, target: Target, program: str,
+                    use_kernels: bool) -> None:
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(path), inductor_configs=inductor_configs(target, program, use_kernels))
+
+
+@contextlib.contextmanager
+def _compile_in_child(ep: torch.export.ExportedProgram, engine_dir: Path, target: Target,
+                      tp: int, progress: Progress) -> Iterator[Callable[[], None]]:
+    """Start compiling the decode program in a child process (this module's main); yields
+    the function that waits for it and raises a BuildError with the child's last words if
+    it failed. The child is killed if the build stops first."""
+    with tempfile.TemporaryDirectory(prefix="aotllm-decode-") as tmp:
+        saved = Path(tmp) / "program.pt2"
+        torch.export.save(ep, saved)
+        log_path = Path(tmp) / "log"
+        argv = [sys.executable, "-m", "pipeline.compile.aoti", str(saved),
+                str(engine_dir / rank_package(0, DECODE_PROGRAM)), json.dumps(target.to_dict()),
+                str(tp), str(engine_dir / KERNELS_LIB)]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+        def wait() -> None:
+            with progress.stage("compile decode program (second process)"):
+                rc = proc.wait()
+            if rc != 0:
+                words = log_path.read_text(errors="replace").strip().splitlines()
+                raise BuildError(
+                    f"compiling the decode program failed (exit {rc}): "
+                    f"{words[-1] if words else 'no output'}",
+                    "check the C++ compiler and the disk, or build with --backend eager",
+                    exit_code=EXIT_FAILURE)
+
+        try:
+            yield wait
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _child(argv: list[str]) -> None:
+    """The decode program's compile, in the process _compile_in_child starts."""
+    saved, out, target, tp, lib = argv
+    kernels.load(Path(lib))
+    with _trace_group(int(tp)):
+        ep = torch.export.load(saved)
+        compile_program(ep, Path(out), Target.from_dict(json.loads(target)), DECODE_PROGRAM,
+                        use_kernels=True)
+
+
 @contextlib.contextmanager
 def _trace_group(tp: int) -> Iterator[None]:
     """A fake world group of size tp, so collectives trace with the serve-time group name."""
@@ -112,7 +188,8 @@ def compile_engine(
     target: Target, progress: Progress | None = None, quant: Quantization = NONE,
     weight_layout: str = "rows",
 ) -> list[Path]:
-    """Write engine_dir/rank{N}.pt2 for every rank (and kernels.so on a CPU target)."""
+    """Write engine_dir/rank{N}.pt2 for every rank (and on a CPU target kernels.so and each
+    rank's decode program, rank{N}.decode.pt2: contract/layout.py DECODE_PROGRAM)."""
     progress = progress or Progress.silent()
     device = "cuda" if target.device == "cuda" else "cpu"
     td = torch_dtype(dtype)
@@ -137,24 +214,32 @@ def compile_engine(
                 dynamic_shapes=dynamic_shapes(profile, cfg.num_hidden_layers), strict=False,
             )
         del model
-        first = engine_dir / rank_package(0)
-        with progress.stage("compile"):
-            torch._inductor.aoti_compile_and_package(
-                ep,
-                package_path=str(first),
-                inductor_configs={
-                    "aot_inductor.package_constants_in_so": False,
-                    # Inductor otherwise inlines tiny parameters as literals: the vocabulary
-                    # offset would be rank 0's in every rank's program.
-                    "always_keep_tensor_constants": True,
-                    **_target_configs(target),
-                },
-            )
-    paths = [first]
-    for rank in range(1, tp):
-        dst = engine_dir / rank_package(rank)
-        shutil.copyfile(first, dst)
-        paths.append(dst)
-    for rank in range(tp):  # unpacked once here, not by the loader at every start
-        extract_package(first, engine_dir / rank_package_dir(rank))
+        programs = [STEP_PROGRAM]
+        if device == "cpu":  # a step of a few tokens runs its own loops on one thread
+            programs.append(DECODE_PROGRAM)
+        # The decode program compiles in a second process while this one compiles the step
+        # program: each is ~25 s of Inductor's Python and ~11 s of g++ for SmolLM2, and a
+        # build host has the cores (the second program would otherwise double the compile).
+        with contextlib.ExitStack() as stack:
+            second = (stack.enter_context(_compile_in_child(ep, engine_dir, target, tp, progress))
+                      if DECODE_PROGRAM in programs else None)
+            with progress.stage("compile step program"):
+                compile_program(ep, engine_dir / rank_package(0), target, STEP_PROGRAM,
+                                use_kernels)
+            if second is not None:
+                second()
+    paths = []
+    for program in programs:
+        first = engine_dir / rank_package(0, program)
+        for rank in range(tp):
+            dst = engine_dir / rank_package(rank, program)
+            if rank:
+                shutil.copyfile(first, dst)
+            paths.append(dst)
+            # unpacked once here, not by the loader at every start
+            extract_package(first, engine_dir / rank_package_dir(rank, program))
     return paths
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

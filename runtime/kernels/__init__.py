@@ -2,12 +2,14 @@
 
 The build compiles them for the engine's target ISA into the engine's `kernels.so`
 (pipeline/compile/kernels.py); the exported program calls them by name, and AOTInductor's
-package reaches them through the dispatcher, so the library must be loaded (`load`) before
-the package is. Each op has a fake (meta) implementation here for torch.export to trace.
+package calls each through its C entry point (aoti_shim.h; packages built before those
+existed, through the dispatcher), so the library must be loaded (`load`) before the package
+is. Each op has a fake (meta) implementation here for torch.export to trace.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import socket
@@ -23,6 +25,15 @@ if TYPE_CHECKING:
 SOURCES = tuple(sorted(Path(__file__).resolve().parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).resolve().parent.glob("*.h")))  # in the cache digest
 _loaded: set[Path] = set()
+_library: ctypes.CDLL | None = None  # the loaded library, whose symbols the packages see
+
+# The ops a compiled step calls, each with a C entry point aoti_torch_cpu_<op> (aoti_shim.h).
+SHIM_OPS = ("linear", "linear_pairs", "linear_panel", "linear_qpanel", "linear_int8",
+            "linear_int4", "paged_decode_attention", "paged_prefill_attention", "all_reduce",
+            "all_gather")
+# An op schema's argument type -> its C type in AOTInductor's shim ABI (aoti_shim.h).
+_C_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t",
+            "bool": "int32_t", "float": "double", "str": "const char*"}
 
 
 def available() -> bool:
@@ -34,10 +45,33 @@ def load(path: Path) -> None:
     path = Path(path).resolve()
     if path in _loaded:
         return
+    global _library
     if not available():  # a second copy (another engine's) would register the ops twice
+        # RTLD_GLOBAL: a package compiled with c_shims() calls aoti_torch_cpu_<op> and finds
+        # it among the process's global symbols when it is loaded.
+        _library = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         torch.ops.load_library(str(path))
         _register_fakes()
     _loaded.add(path)
+
+
+def c_shim_declaration(op: str) -> str:
+    """The C declaration of `op`'s entry point, from its schema (the ABI of aoti_shim.h)."""
+    schema = getattr(torch.ops.aotllm, op).default._schema
+    params = [f"{_C_TYPES[str(a.type)]} {a.name}" for a in schema.arguments]
+    params += [f"AtenTensorHandle* ret{i}" for i in range(len(schema.returns))]
+    return f"AOTITorchError aoti_torch_cpu_{op}({', '.join(params)})"
+
+
+def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """AOTInductor's `custom_ops_to_c_shims` for the loaded library: every op of SHIM_OPS it
+    has an entry point for (a library built before them has none: its packages use the
+    proxy executor)."""
+    if _library is None:
+        return {}
+    return {getattr(torch.ops.aotllm, op).default: [c_shim_declaration(op)]
+            for op in SHIM_OPS
+            if hasattr(torch.ops.aotllm, op) and hasattr(_library, f"aoti_torch_cpu_{op}")}
 
 
 def _fake(op: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:

@@ -15,6 +15,7 @@
 // 16, and flipped SmolLM2's first answer token on the demo question). float_out rows beyond
 // kMaxRows take the same kernels in passes of kMaxRows rows: at::linear has no bf16 -> float32
 // GEMM on CPU.
+#include "aoti_shim.h"
 #include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -160,3 +161,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 TORCH_LIBRARY_FRAGMENT(aotllm, m) { m.def("linear(Tensor x, Tensor w, Tensor? b, bool float_out=False) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear", &linear); }
+
+AOTLLM_SHIM aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* b,
+                                  int32_t float_out, AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { out(linear(in(x), in(w), opt(b), float_out != 0), ret0); });
+}

@@ -55,6 +55,7 @@
 //                                     (with a window: q_pos - window + 1 .. q_pos)
 // kv_live                             as above, p the row's q_pos
 // returns      [P, Q, Hq, D]
+#include "aoti_shim.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -351,4 +352,30 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
+
+AOTLLM_SHIM aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                                  AtenTensorHandle v_cache,
+                                                  AtenTensorHandle block_tables,
+                                                  AtenTensorHandle ctx_lens, double scale,
+                                                  AtenTensorHandle* kv_live, int64_t window,
+                                                  AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    out(paged_decode_attention(in(q), in(k_cache), in(v_cache), in(block_tables), in(ctx_lens),
+                               scale, opt(kv_live), window), ret0);
+  });
+}
+
+AOTLLM_SHIM aoti_torch_cpu_paged_prefill_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
+                                                   AtenTensorHandle v_cache,
+                                                   AtenTensorHandle block_tables,
+                                                   AtenTensorHandle q_pos, double scale,
+                                                   AtenTensorHandle* kv_live, int64_t window,
+                                                   AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    out(paged_prefill_attention(in(q), in(k_cache), in(v_cache), in(block_tables), in(q_pos),
+                                scale, opt(kv_live), window), ret0);
+  });
 }

@@ -18,6 +18,7 @@
 //
 // x [..., K], w [N, K] in pair panels (N % 16 == 0, K % 32 == 0, x's dtype), b [N] or none
 // -> [..., N] in x's dtype, or float32 with `float_out` (the LM head's logits); float32 sums.
+#include "aoti_shim.h"
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -195,3 +196,11 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_pairs", &linear_pairs); }
+
+AOTLLM_SHIM aoti_torch_cpu_linear_pairs(AtenTensorHandle x, AtenTensorHandle w,
+                                        AtenTensorHandle* b, int32_t float_out,
+                                        AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { out(linear_pairs(in(x), in(w), opt(b), float_out != 0), ret0); });
+}

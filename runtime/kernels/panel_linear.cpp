@@ -20,6 +20,7 @@
 // x [..., K] (bf16, fp16 or float32), w [N, K] in panels (the same dtype), b [N] or none
 // -> [..., N] in x's dtype, or float32 with `float_out` (the LM head's logits); float32
 // accumulation.
+#include "aoti_shim.h"
 #include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -156,3 +157,11 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_panel", &linear_panel); }
+
+AOTLLM_SHIM aoti_torch_cpu_linear_panel(AtenTensorHandle x, AtenTensorHandle w,
+                                        AtenTensorHandle* b, int32_t float_out,
+                                        AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { out(linear_panel(in(x), in(w), opt(b), float_out != 0), ret0); });
+}

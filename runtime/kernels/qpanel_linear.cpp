@@ -36,6 +36,7 @@
 //
 // int4 calls with more rows than one pass unpack each panel to quads once
 // (unpack_int4_quads): a pass over the stored nibbles reorders them for every 3 rows.
+#include "aoti_shim.h"
 #include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -525,3 +526,14 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_qpanel", &linear_qpanel); }
+
+AOTLLM_SHIM aoti_torch_cpu_linear_qpanel(AtenTensorHandle x, AtenTensorHandle qweight,
+                                         AtenTensorHandle scales, AtenTensorHandle* mins,
+                                         AtenTensorHandle* b, int64_t group_size,
+                                         int32_t float_out, AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    out(linear_qpanel(in(x), in(qweight), in(scales), opt(mins), opt(b), group_size,
+                      float_out != 0), ret0);
+  });
+}

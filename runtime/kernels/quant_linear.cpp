@@ -23,6 +23,7 @@
 // The reference these match (runtime/quant.py, the eager engines' path): W dequantized in
 // float32, cast to the model dtype, then F.linear. With `float_out` (the LM head's logits)
 // the result stays in float32: the same sums, not rounded to the model dtype.
+#include "aoti_shim.h"
 #include "parallel.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -370,4 +371,25 @@ TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("dequantize", &dequantize_op);
+}
+
+AOTLLM_SHIM aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle qweight,
+                                       AtenTensorHandle scales, AtenTensorHandle* b,
+                                       int64_t group_size, int32_t float_out,
+                                       AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    out(linear_int8(in(x), in(qweight), in(scales), opt(b), group_size, float_out != 0), ret0);
+  });
+}
+
+AOTLLM_SHIM aoti_torch_cpu_linear_int4(AtenTensorHandle x, AtenTensorHandle qweight,
+                                       AtenTensorHandle scales, AtenTensorHandle* mins,
+                                       AtenTensorHandle* b, int64_t group_size,
+                                       int32_t float_out, AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    out(linear_int4(in(x), in(qweight), in(scales), opt(mins), opt(b), group_size,
+                    float_out != 0), ret0);
+  });
 }

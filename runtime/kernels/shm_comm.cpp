@@ -11,6 +11,7 @@
 // A group without a shared-memory segment (ranks on several hosts, or none set up) falls
 // back to torch's functional collectives on the process group of the same name, so the
 // compiled program is the same everywhere and the transport is chosen at load time.
+#include "aoti_shim.h"
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -214,6 +215,18 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("all_reduce", &all_reduce);
   m.impl("all_gather", &all_gather);
+}
+
+AOTLLM_SHIM aoti_torch_cpu_all_reduce(AtenTensorHandle x, const char* group, int64_t size,
+                                      AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ out(all_reduce(in(x), group, size), ret0); });
+}
+
+AOTLLM_SHIM aoti_torch_cpu_all_gather(AtenTensorHandle x, const char* group, int64_t size,
+                                      AtenTensorHandle* ret0) {
+  using namespace aotllm::shim;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ out(all_gather(in(x), group, size), ret0); });
 }
 
 TORCH_LIBRARY_IMPL(aotllm, CatchAll, m) {

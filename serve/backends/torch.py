@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from contract.layout import ENGINE_CONFIG, KERNELS_LIB, rank_package, rank_package_dir, rank_shard
+from contract.layout import DECODE_PROGRAM, ENGINE_CONFIG, KERNELS_LIB, rank_shard
 from contract.manifest import Manifest
 from contract.speculative import Speculative
 from runtime import kernels
@@ -31,7 +31,13 @@ from runtime.executors.draft import (
 from runtime.executors.golden import check_golden, replay_golden
 from runtime.executors.loop import LLMEngine, worker_loop
 from runtime.executors.runner import ModelRunner
-from runtime.executors.torch import allocate_kv_cache, engine_runner, package_files
+from runtime.executors.torch import (
+    SplitStep,
+    allocate_kv_cache,
+    engine_runner,
+    package_files,
+    package_name,
+)
 from runtime.host import host_matches
 from runtime.models.config import ModelConfig
 from runtime.models.factory import kv_bytes_per_block, torch_dtype
@@ -52,7 +58,7 @@ from serve.launch import (
     GPU_KV_FRACTION,
 )
 from serve.stages import GateContext, Resolved
-from serve.warmup import PHASE_DONE, Interrupted, follow, warmup_shapes
+from serve.warmup import PHASE_DONE, Interrupted, follow, warm_prefill, warmup_shapes
 
 log = logging.getLogger("serve")
 REBUILD = "rebuild the engine on this host with `pipeline build`"
@@ -314,10 +320,11 @@ class TorchBackend(Backend):
                                self.device, m.quant)
         names = package_files(self.files.entries, self.rank) if m.backend == "aoti" else []
         ev.update(kind="AOTInductor package, weights bound" if m.backend == "aoti" else "eager modules",
-                  package=(rank_package_dir(self.rank) if len(names) > 1 or
-                           names[:1] != [rank_package(self.rank)] else rank_package(self.rank))
-                  if names else None,
+                  package=package_name(names, self.rank) if names else None,
                   package_bytes=sum(self.files.entries[n].size for n in names))
+        if isinstance(runner.step_fn, SplitStep):
+            ev["decode_program"] = {"package": package_name(names, self.rank, DECODE_PROGRAM),
+                                    "max_tokens": runner.step_fn.max_tokens}
         drafter = None
         if self.draft is not None and self.spec is not None:
             # The draft engine's shard is read and hashed as the engine's was (every file
@@ -332,9 +339,11 @@ class TorchBackend(Backend):
     def warmup(self, built: Built, ev: Evidence) -> TorchServing:
         """Rank 0 drives; the golden record is checked in two steps (a teacher-forced
         prefill, then one decode step at the profile's largest batch), so the decode path,
-        the prefill path and the largest decode batch are all exercised once. On a CPU
-        that is the whole warmup: a compiled step has no per-shape state to build (no JIT,
-        no graph capture; measured, the first run of a shape takes as long as the next).
+        the prefill path and the largest decode batch are all exercised once, and with a
+        decode program beside the step program (contract/layout.py DECODE_PROGRAM) one
+        prompt just too long for it runs the step program once. On a CPU that is the whole
+        warmup: a compiled step has no per-shape state to build (no JIT, no graph capture;
+        measured, the first run of a shape takes as long as the next of that program).
         On a GPU (or with --warmup full) the profile's shapes run first, largest first."""
         m, runner = self.manifest, built.runner
         serving = TorchServing(self, built)
@@ -366,6 +375,12 @@ class TorchBackend(Backend):
         if not sweep:
             ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
                             "the golden steps: prefill, and decode at the largest batch")
+            if isinstance(runner.step_fn, SplitStep):
+                # The golden steps are few tokens each: the decode program ran them. The
+                # step program's first run pays for what it touches first (measured: a
+                # 64-token prompt 160 ms, then 52), which the first long prompt would.
+                ev["step_program"] = warm_prefill(runner, p, built.num_blocks, send,
+                                                  runner.step_fn.max_tokens + 1)
         send(StepPlan(PHASE_DONE))
         if built.drafter is not None:
             ev["draft"] = self._warm_draft(built.drafter, record["prompt_token_ids"])

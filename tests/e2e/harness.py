@@ -14,8 +14,10 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -272,3 +274,30 @@ def run_to_exit(engine: Path | str, workdir: Path, n: int, timeout: float = 120.
         raise AssertionError(f"the launch did not exit within {timeout} s\n"
                              f"{server.logs()}") from None
     return server, rc
+
+
+def assert_a_flipped_byte_fails_the_verify_gate(engine_dir: Path, damaged: str, offset: int,
+                                                 workdir: Path) -> None:
+    """Copy a TP=2 engine, flip one bit of its file `damaged` (the first .so under it when it
+    is a directory) at `offset` (from the end when negative), launch it: start-up must fail
+    at the verify gate, on every rank, naming that file, with no traceback."""
+    engine = workdir / "engine"
+    shutil.copytree(engine_dir, engine)
+    path = engine / damaged
+    if path.is_dir():
+        path = next(path.rglob("*.so"))
+    path.chmod(path.stat().st_mode | stat.S_IWUSR)  # the store makes engines read-only
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    srv, rc = run_to_exit(engine, workdir / "serve", n=2)
+    try:
+        err = srv.stderr()
+        assert rc != 0, srv.logs()
+        assert srv.wait_exit_codes(2, 10) == {0: 1, 1: 1}, srv.logs()
+        lines = [ln for ln in err.splitlines() if "gate verify failed" in ln]
+        name = str(path.relative_to(engine))
+        assert lines and all(name in ln for ln in lines), srv.logs()
+        assert "Traceback" not in err
+    finally:
+        srv.close()

@@ -17,7 +17,7 @@ from contract.layout import QPANEL_LAYOUTS
 from contract.manifest import read_manifest
 from tests.conftest import REPO, subprocess_env
 from tests.e2e.conftest import MODEL, Reference
-from tests.e2e.harness import Server, launch
+from tests.e2e.harness import Server, assert_a_flipped_byte_fails_the_verify_gate, launch
 from tests.runtime.test_quant_engine import _dequantized_checkpoint
 
 # A small hidden size under a larger vocabulary slice: the golden prefill all-gathers a
@@ -61,6 +61,15 @@ def test_a_served_int4_engine_generates_what_transformers_does_on_its_weights(
     op = "linear_qpanel" if m.weight_layout in QPANEL_LAYOUTS else "linear_int4"
     assert f"aotllm::{op}" in str(gates["compatible"]["quant"]), gates["compatible"]
     assert "int4_wo" in gates["warmup"]["golden"], gates["warmup"]
+    # A CPU engine's two programs (contract/layout.py DECODE_PROGRAM), both verified before
+    # use; the golden steps ran on the decode program, one prompt just too long for it
+    # warmed the step program.
+    kernels, verified = gates["kernels"], gates["verify"]["files"]
+    assert kernels["package"] == "rank0.aoti", kernels
+    assert kernels["decode_program"] == {"package": "rank0.decode.aoti", "max_tokens": 16}
+    assert any(f.startswith("rank0.decode.aoti/") and f.endswith(".so") for f in verified)
+    warm = gates["warmup"]["step_program"]
+    assert warm["shape"] == "prefill 17 tokens" and warm["ms"] > 0, warm
 
     exact = _dequantized_checkpoint(served_checkpoint, m.quant, tmp_path / "deq")
     reference = Reference(exact, int4_engine)
@@ -70,3 +79,10 @@ def test_a_served_int4_engine_generates_what_transformers_does_on_its_weights(
             model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
             extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.text, (prompt, r.choices[0].text, want.text)
+
+
+def test_a_flipped_byte_in_the_decode_program_fails_the_verify_gate(
+        int4_engine: Path, tmp_path: Path) -> None:
+    """The second program of a rank only runs steps of a few tokens: it is verified before
+    use like everything else the rank loads."""
+    assert_a_flipped_byte_fails_the_verify_gate(int4_engine, "rank1.decode.aoti", 4096, tmp_path)
