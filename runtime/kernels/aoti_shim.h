@@ -20,7 +20,7 @@
 #include <optional>
 #include <utility>
 
-#define AOTLLM_SHIM extern "C" __attribute__((visibility("default"))) AOTITorchError
+#define AOTI_ENTRY_POINT extern "C" __attribute__((visibility("default"))) AOTITorchError
 
 namespace aotllm::shim {
 

@@ -162,7 +162,7 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) { m.def("linear(Tensor x, Tensor w, Tensor? b,
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear", &linear); }
 
-AOTLLM_SHIM aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* b,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* b,
                                   int32_t float_out, AtenTensorHandle* ret0) {
   using namespace aotllm::shim;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(

@@ -354,7 +354,7 @@ TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
 
-AOTLLM_SHIM aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
+AOTI_ENTRY_POINT aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
                                                   AtenTensorHandle v_cache,
                                                   AtenTensorHandle block_tables,
                                                   AtenTensorHandle ctx_lens, double scale,
@@ -367,7 +367,7 @@ AOTLLM_SHIM aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensor
   });
 }
 
-AOTLLM_SHIM aoti_torch_cpu_paged_prefill_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
+AOTI_ENTRY_POINT aoti_torch_cpu_paged_prefill_attention(AtenTensorHandle q, AtenTensorHandle k_cache,
                                                    AtenTensorHandle v_cache,
                                                    AtenTensorHandle block_tables,
                                                    AtenTensorHandle q_pos, double scale,

@@ -197,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_pairs", &linear_pairs); }
 
-AOTLLM_SHIM aoti_torch_cpu_linear_pairs(AtenTensorHandle x, AtenTensorHandle w,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear_pairs(AtenTensorHandle x, AtenTensorHandle w,
                                         AtenTensorHandle* b, int32_t float_out,
                                         AtenTensorHandle* ret0) {
   using namespace aotllm::shim;

@@ -158,7 +158,7 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_panel", &linear_panel); }
 
-AOTLLM_SHIM aoti_torch_cpu_linear_panel(AtenTensorHandle x, AtenTensorHandle w,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear_panel(AtenTensorHandle x, AtenTensorHandle w,
                                         AtenTensorHandle* b, int32_t float_out,
                                         AtenTensorHandle* ret0) {
   using namespace aotllm::shim;

@@ -527,7 +527,7 @@ TORCH_LIBRARY_FRAGMENT(aotllm, m) {
 
 TORCH_LIBRARY_IMPL(aotllm, CPU, m) { m.impl("linear_qpanel", &linear_qpanel); }
 
-AOTLLM_SHIM aoti_torch_cpu_linear_qpanel(AtenTensorHandle x, AtenTensorHandle qweight,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear_qpanel(AtenTensorHandle x, AtenTensorHandle qweight,
                                          AtenTensorHandle scales, AtenTensorHandle* mins,
                                          AtenTensorHandle* b, int64_t group_size,
                                          int32_t float_out, AtenTensorHandle* ret0) {

@@ -373,7 +373,7 @@ TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("dequantize", &dequantize_op);
 }
 
-AOTLLM_SHIM aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle qweight,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle qweight,
                                        AtenTensorHandle scales, AtenTensorHandle* b,
                                        int64_t group_size, int32_t float_out,
                                        AtenTensorHandle* ret0) {
@@ -383,7 +383,7 @@ AOTLLM_SHIM aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle qwei
   });
 }
 
-AOTLLM_SHIM aoti_torch_cpu_linear_int4(AtenTensorHandle x, AtenTensorHandle qweight,
+AOTI_ENTRY_POINT aoti_torch_cpu_linear_int4(AtenTensorHandle x, AtenTensorHandle qweight,
                                        AtenTensorHandle scales, AtenTensorHandle* mins,
                                        AtenTensorHandle* b, int64_t group_size,
                                        int32_t float_out, AtenTensorHandle* ret0) {

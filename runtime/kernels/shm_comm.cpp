@@ -217,13 +217,13 @@ TORCH_LIBRARY_IMPL(aotllm, CPU, m) {
   m.impl("all_gather", &all_gather);
 }
 
-AOTLLM_SHIM aoti_torch_cpu_all_reduce(AtenTensorHandle x, const char* group, int64_t size,
+AOTI_ENTRY_POINT aoti_torch_cpu_all_reduce(AtenTensorHandle x, const char* group, int64_t size,
                                       AtenTensorHandle* ret0) {
   using namespace aotllm::shim;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ out(all_reduce(in(x), group, size), ret0); });
 }
 
-AOTLLM_SHIM aoti_torch_cpu_all_gather(AtenTensorHandle x, const char* group, int64_t size,
+AOTI_ENTRY_POINT aoti_torch_cpu_all_gather(AtenTensorHandle x, const char* group, int64_t size,
                                       AtenTensorHandle* ret0) {
   using namespace aotllm::shim;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ out(all_gather(in(x), group, size), ret0); });

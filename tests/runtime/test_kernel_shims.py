@@ -31,10 +31,10 @@ def library() -> Path:
 
 
 def _definitions() -> dict[str, str]:
-    """op -> the parameter list of its AOTLLM_SHIM definition, whitespace normalised."""
+    """op -> the parameter list of its AOTI_ENTRY_POINT definition, whitespace normalised."""
     out = {}
     for src in kernels.SOURCES:
-        for m in re.finditer(r"AOTLLM_SHIM aoti_torch_cpu_(\w+)\(([^)]*)\)", src.read_text()):
+        for m in re.finditer(r"AOTI_ENTRY_POINT aoti_torch_cpu_(\w+)\(([^)]*)\)", src.read_text()):
             out[m.group(1)] = " ".join(m.group(2).split())
     return out
 
