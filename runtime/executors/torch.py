@@ -228,7 +228,7 @@ class SplitStep:
     """A rank's two programs over the same weights: steps of up to DECODE_PROGRAM_TOKENS tokens
     run `decode` (the graph's own loops single-threaded), the others `step`. Both are one graph
     compiled twice; only OpenMP's pragmas differ, so a row's logits and KV entries are the same
-    bits whichever runs it (tests/runtime/test_aoti_engine.py)."""
+    bits whichever runs it (tests/runtime/test_decode_program.py)."""
 
     def __init__(self, step: StepFn, decode: StepFn, max_tokens: int = DECODE_PROGRAM_TOKENS) -> None:
         self.step = step

@@ -375,7 +375,7 @@ class TorchBackend(Backend):
         if not sweep:
             ev["shapes"] = ("the golden steps (--warmup none)" if self.cfg.warmup == "none" else
                             "the golden steps: prefill, and decode at the largest batch")
-            if isinstance(runner.step_fn, SplitStep):
+            if self.cfg.warmup != "none" and isinstance(runner.step_fn, SplitStep):
                 # The golden steps are few tokens each: the decode program ran them. The
                 # step program's first run pays for what it touches first (measured: a
                 # 64-token prompt 160 ms, then 52), which the first long prompt would.
