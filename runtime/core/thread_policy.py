@@ -59,8 +59,14 @@ class ThreadPolicy:
     give_up: float = 2.0  # a probe this much slower per token ends after one step
     # Contention seen directly: the share of step time the stepping thread spent runnable
     # but off its core (runtime/runqueue.py) that makes a team of more than one give way
-    # at once, and makes a probe up lose.
-    wait_share: float = 0.1
+    # at once, and makes a probe up lose. A quarter: a neighbour that holds a core that
+    # long stalls every parallel region for its time slices (two threads beside a busy
+    # process: a third of each step waited, steps swinging from 5 to 60 ms), while the load
+    # generator's own bursts beside a c=16 run wait 1-7 % of each half second and now and
+    # then over 10 % of a window, where two threads still decode 1.6x faster than one
+    # (SmolLM2 int8, AVX2 forced, AMD EPYC Zen 5, 2 cores: a tenth halved that team for
+    # the rest of the run, c=16 at 268-375 tok/s against 409-421 kept at two threads).
+    wait_share: float = 0.25
     # Whether `record` is given run-queue waits (runtime/runqueue.py's `available`): then a
     # contended team gives way on them, and the first probe need not come early to find it.
     sees_waits: bool = False
