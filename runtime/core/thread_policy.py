@@ -13,9 +13,11 @@ every setting and the process cannot see its neighbours, so it measures: the pla
 (serve/threads.py) runs, and every `period_s` a probe runs a window of decode steps at half
 the current count (or, below the plan, twice it) and compares it with the current count's
 latest window (kept as it runs, so no step is spent re-measuring it); the faster per decoded
-token by `margin` is kept. A probe that is `give_up` times slower per token after a single
-step stops there: a contended team's step can take a second, and a probe must not cost more
-than one. The first probe comes after `period_s`, or after one second where the policy is
+token by `margin` is kept. A win by less than `give_up` is measured once more: the current
+count runs a window again right after the probe, and the probe must beat that one as well
+(a burst on a shared host in the one window compared made a wrong switch). A probe that is
+`give_up` times slower per token after a single step stops there: a contended team's step
+can take a second, and a probe must not cost more than one. The first probe comes after `period_s`, or after one second where the policy is
 blind to run-queue waits and starts at the plan's count; a probe that loses doubles the period up to
 `max_period_s`, or waits 50 times what it cost (up to ten minutes) if that is longer, and
 one that wins resets it, so a steady setting costs a window every minute at most. A
@@ -40,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-Phase = Literal["run", "probe"]
+Phase = Literal["run", "probe", "confirm"]
 Step = tuple[float, int, float]  # a decode step: seconds, tokens, run-queue seconds
 FIRST_PROBE_S = 1.0  # decode seconds before the first probe
 COST_SHARE = 0.02  # a losing probe's cost, as a share of the decode time until the next
@@ -84,6 +86,9 @@ class ThreadPolicy:
     # least `window_s` and `min_steps` of them once there are that many.
     _recent: deque[Step] = field(init=False, default_factory=deque)
     _arm: list[Step] = field(init=False, default_factory=list)
+    # A probe that won by less than `give_up`: the current count's window run again after
+    # it, which the probe must also beat.
+    _again: list[Step] = field(init=False, default_factory=list)
     # The current count's latest steps of any kind, prompt chunks too: the run-queue rule's
     # window.
     _any: deque[Step] = field(init=False, default_factory=deque)
@@ -208,28 +213,60 @@ class ThreadPolicy:
                 if other is not None:
                     self.phase, self._candidate, self._arm = "probe", other, []
             return
+        if self.phase == "confirm":
+            self._again.append(step)
+            if not self._window_done(self._again):
+                return
+            self._decide(self._rate(self._again))
+            return
         arm = self._arm
         arm.append(step)
         base = self._rate(self._recent)
-        arm_s = sum(s for s, _, _ in arm)
         lost_already = self._rate(arm) * self.give_up < base
-        if (not lost_already and (arm_s < self.window_s or len(arm) < self.min_steps)
-                and arm_s < 4 * self.window_s):
+        if not lost_already and not self._window_done(arm):
             return
         self.probes += 1
-        # More threads that wait on the run queue would give way again at once.
-        waits = self._candidate > 1 and self._waiting(arm)
-        if self._rate(arm) > base * (1 + self.margin) and not waits:
+        if self._wins(base) and self._rate(arm) < base * self.give_up:
+            # A win by less than `give_up` is measured once more: the current count's
+            # window again, right after the probe. A host whose speed moves from one window
+            # to the next (a neighbour's burst in the current count's window, memory
+            # shared with other machines) made one thread win a c=1 bf16 decode where
+            # it is 1.3x slower (AVX2 forced, AMD EPYC Zen 5, 2 cores: served
+            # c=1 65.8 tok/s against llama-server's 92.9 until a later probe took it back).
+            self.phase, self._again = "confirm", []
+            return
+        self._decide(base)
+
+    def _window_done(self, steps: list[Step]) -> bool:
+        seconds = sum(s for s, _, _ in steps)
+        return ((seconds >= self.window_s and len(steps) >= self.min_steps)
+                or seconds >= 4 * self.window_s)
+
+    def _wins(self, base: float) -> bool:
+        """Whether the probe's arm beat `base` (tokens per second) by the margin without
+        waiting on a run queue: more threads that wait would give way again at once."""
+        waits = self._candidate > 1 and self._waiting(self._arm)
+        return self._rate(self._arm) > base * (1 + self.margin) and not waits
+
+    def _decide(self, base: float) -> None:
+        """End the probe: its count takes over if it beat `base` and the current count's
+        window before it (the faster of the two); otherwise the next probe waits longer."""
+        arm = self._arm
+        base = max(base, self._rate(self._recent))
+        if self._wins(base):
             self._switch(self._candidate, deque(arm))
         else:
             # What the probe cost beyond the current count's rate for the same tokens: the
             # next probe waits at least `COST_SHARE`'s inverse times that (one step of a
             # contended team beside a neighbour took 2.5 s: probes a minute apart would
             # cost 4 % of the time), up to `MAX_COSTLY_PERIOD_S`.
-            arm_tokens = sum(t for _, t, _ in arm)
-            lost = arm_s - arm_tokens / max(base, 1e-12)
+            arm_s, arm_tokens = sum(s for s, _, _ in arm), sum(t for _, t, _ in arm)
+            lost = max(0.0, arm_s - arm_tokens / max(self._rate(self._recent), 1e-12))
             self._period = min(MAX_COSTLY_PERIOD_S,
                                max(min(self.max_period_s, self._period * 2), lost / COST_SHARE))
+            if self._again:  # the current count's latest steps, measured just now
+                self._recent = deque(self._again)
+        self._again = []
         self._decided()
 
     def as_dict(self) -> dict[str, float]:
