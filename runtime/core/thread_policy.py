@@ -17,8 +17,9 @@ token by `margin` is kept. A win by less than `give_up` is measured once more: t
 count runs a window again right after the probe, and the probe must beat that one as well
 (a burst on a shared host in the one window compared made a wrong switch). A probe that is
 `give_up` times slower per token after a single step stops there: a contended team's step
-can take a second, and a probe must not cost more than one. The first probe comes after `period_s`, or after one second where the policy is
-blind to run-queue waits and starts at the plan's count; a probe that loses doubles the period up to
+can take a second, and a probe must not cost more than one. The first probe comes after
+`period_s`, or after one second where the policy is blind to run-queue waits and starts at
+the plan's count; a probe that loses doubles the period up to
 `max_period_s`, or waits 50 times what it cost (up to ten minutes) if that is longer, and
 one that wins resets it, so a steady setting costs a window every minute at most. A
 neighbour that arrives later shows as `min_steps` steps in a row `give_up` times slower than
