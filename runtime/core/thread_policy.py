@@ -252,8 +252,8 @@ class ThreadPolicy:
     def _decide(self, base: float) -> None:
         """End the probe: its count takes over if it beat `base` and the current count's
         window before it (the faster of the two); otherwise the next probe waits longer."""
-        arm = self._arm
-        base = max(base, self._rate(self._recent))
+        arm, before = self._arm, self._rate(self._recent)
+        base = max(base, before)
         if self._wins(base):
             self._switch(self._candidate, deque(arm))
         else:
@@ -262,7 +262,7 @@ class ThreadPolicy:
             # contended team beside a neighbour took 2.5 s: probes a minute apart would
             # cost 4 % of the time), up to `MAX_COSTLY_PERIOD_S`.
             arm_s, arm_tokens = sum(s for s, _, _ in arm), sum(t for _, t, _ in arm)
-            lost = max(0.0, arm_s - arm_tokens / max(self._rate(self._recent), 1e-12))
+            lost = max(0.0, arm_s - arm_tokens / max(before, 1e-12))
             self._period = min(MAX_COSTLY_PERIOD_S,
                                max(min(self.max_period_s, self._period * 2), lost / COST_SHARE))
             if self._again:  # the current count's latest steps, measured just now
